@@ -1,0 +1,136 @@
+"""`hybridlm bench forward`: prefill and decode tokens/s beside the machine's limits.
+
+Limits: decode ≤ bandwidth ÷ weight bytes read per token; prefill ≤ matmul rate ÷ FLOPs per token
+(2 × parameters touched per token; the LM head runs once per prefill, so it is left out).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from hybridlm.batch import Batch
+
+log = logging.getLogger(__name__)
+
+
+def preset_dir(preset: str) -> Path:
+    """A random checkpoint of a published shape, written once under the user cache directory."""
+    from hybridlm.models.random import PRESETS, write_random_checkpoint
+
+    base = Path(os.environ.get("HYBRIDLM_CACHE_DIR") or Path.home() / ".cache" / "hybridlm")
+    out = base / "presets" / preset
+    if not (out / "config.json").exists():
+        print(f"writing random {preset} checkpoint to {out} ...", flush=True)
+        tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+        write_random_checkpoint(PRESETS[preset], tmp)
+        tmp.rename(out)
+    return out
+
+
+def weight_bytes_per_token(model) -> int:
+    """Bytes of weights a decode step reads: every parameter except the embedding table (one row
+    read), with a tied LM head counted once."""
+    seen, total = set(), 0
+    emb = model.model.embed_tokens.weight
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        total += p.numel() * p.element_size()
+    if not model.tied:
+        total -= emb.numel() * emb.element_size()
+    return total
+
+
+def prefill_flops_per_token(model) -> int:
+    """2 × parameters used per prefill token (embedding lookup and LM head excluded)."""
+    params = sum(p.numel() for n, p in model.named_parameters() if not n.startswith(("lm_head", "model.embed_tokens")))
+    return 2 * params
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_prefill(model, length: int, repeats: int = 2) -> float:
+    """Best seconds for one fresh prefill of `length` tokens."""
+    ids = torch.randint(0, model.vocab_size, (length,)).tolist()
+    best = float("inf")
+    for _ in range(repeats + 1):
+        caches = model.make_caches(1)
+        _sync(model.device)
+        t0 = time.perf_counter()
+        model(Batch.single(ids, device=model.device), caches)
+        _sync(model.device)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def time_decode(model, steps: int, context: int = 128) -> float:
+    """Median seconds per decode step after a `context`-token prefill."""
+    caches = model.make_caches(1)
+    ids = torch.randint(0, model.vocab_size, (context,)).tolist()
+    logits = model(Batch.single(ids, device=model.device), caches)
+    times = []
+    for i in range(steps + 3):
+        token = int(logits.argmax(-1)[0])
+        _sync(model.device)
+        t0 = time.perf_counter()
+        logits = model(Batch.single([token], offset=context + i, device=model.device), caches)
+        _sync(model.device)
+        if i >= 3:
+            times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def main(args) -> int:
+    from hybridlm.bench.limits import matmul_tflops, memory_bandwidth_gbs
+    from hybridlm.models import load_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    path = preset_dir(args.preset) if args.preset else args.model
+    if path is None:
+        from hybridlm.demo import demo_model_dir
+
+        path = demo_model_dir()
+    dtype = {"float32": torch.float32, "fp32": torch.float32}.get(args.dtype or "", torch.bfloat16)
+    print(f"loading {path} ...", flush=True)
+    model = load_model(path, dtype=dtype, device=args.device)
+    device = model.device
+    print("measuring the machine ...", flush=True)
+    bandwidth = memory_bandwidth_gbs(device)
+    rate = matmul_tflops(dtype, device)
+    wbytes = weight_bytes_per_token(model)
+    flops = prefill_flops_per_token(model)
+    report = {
+        "model": str(path), "dtype": str(dtype).removeprefix("torch."), "device": str(device),
+        "threads": torch.get_num_threads(), "bandwidth_gbs": bandwidth, "matmul_tflops": rate,
+        "weight_bytes_per_token": wbytes, "prefill_flops_per_token": flops, "prefill": {}, "decode": {},
+    }
+    for length in args.prefill:
+        print(f"prefill {length} ...", flush=True)
+        secs = time_prefill(model, length)
+        report["prefill"][str(length)] = {"tok_s": length / secs, "limit_tok_s": rate * 1e12 / flops}
+    print(f"decode {args.decode} steps ...", flush=True)
+    step = time_decode(model, args.decode)
+    report["decode"] = {"tok_s": 1 / step, "ms_per_token": step * 1e3, "limit_tok_s": bandwidth * 1e9 / wbytes}
+
+    print(f"\nmachine: {bandwidth:.1f} GB/s read, {rate:.3f} TFLOP/s {report['dtype']} matmul, "
+          f"{report['threads']} threads, {device}")
+    print(f"model: {wbytes / 1e9:.3f} GB weights read per decode token, {flops / 1e9:.2f} GFLOP per prefill token")
+    print(f"{'phase':<14}{'tok/s':>10}{'limit':>10}{'of limit':>10}")
+    for length, r in report["prefill"].items():
+        print(f"{'prefill ' + length:<14}{r['tok_s']:>10.1f}{r['limit_tok_s']:>10.1f}{r['tok_s'] / r['limit_tok_s']:>10.0%}")
+    d = report["decode"]
+    print(f"{'decode':<14}{d['tok_s']:>10.1f}{d['limit_tok_s']:>10.1f}{d['tok_s'] / d['limit_tok_s']:>10.0%}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    return 0

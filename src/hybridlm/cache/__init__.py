@@ -1,0 +1,18 @@
+"""Per-layer caches behind one snapshot / restore / split / merge contract."""
+
+from hybridlm.cache.base import LayerCache, Snapshot
+from hybridlm.cache.kv import AttentionHistory, KVCache, RowsSnapshot, SlidingKVCache
+from hybridlm.cache.recurrent import ConvCache, RecurrentCache, RecurrentHistory, ScanSnapshot
+
+__all__ = [
+    "AttentionHistory",
+    "ConvCache",
+    "KVCache",
+    "LayerCache",
+    "RecurrentCache",
+    "RecurrentHistory",
+    "RowsSnapshot",
+    "ScanSnapshot",
+    "SlidingKVCache",
+    "Snapshot",
+]

@@ -1,0 +1,136 @@
+"""The contract every per-layer cache implements (docs/architecture.md, "Per-layer caches").
+
+A cache holds the state of one stateful layer for B rows. `offset` counts logical tokens held.
+Snapshots capture a token range `[start, end)` and can bring a cache back to any offset they
+reach (`restore`); `split` and `merge` re-cut them along trie edges. Snapshot operations are
+defined for caches whose rows share one offset (B = 1 in practice: sessions are per request).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+
+import torch
+
+
+def tensor_bytes(*tensors: torch.Tensor | None) -> int:
+    """Bytes held by the given tensors' elements (None counts 0)."""
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+class Snapshot(ABC):
+    """State of one layer over `[start, end)`.
+
+    `nbytes` counts bytes this snapshot owns (a lazy snapshot that still names a range of a live
+    buffer owns none). `on_grow(delta)`, when set, is told each time the snapshot starts owning
+    more bytes (a lazy snapshot copying out), so an owner can keep its accounting exact.
+    """
+
+    start: int
+    end: int
+    on_grow: Callable[[int], None] | None = None
+    closed: bool = False
+
+    @property
+    @abstractmethod
+    def nbytes(self) -> int: ...
+
+    @abstractmethod
+    def reaches(self, target: int) -> bool:
+        """True when `restore` can bring a cache to `target` from this snapshot alone or from the
+        cache sitting at `start` (the trie restores parents first)."""
+
+    def free(self) -> None:
+        if self.closed:
+            raise RuntimeError("snapshot freed twice")
+        self.closed = True
+        self._release()
+
+    @abstractmethod
+    def _release(self) -> None: ...
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("snapshot used after free")
+
+
+class LayerCache(ABC):
+    """Per-layer cache: live state plus capture scheduling.
+
+    Capture scheduling: `prepare_snapshots(offsets)` before one or more forwards; every scheduled
+    offset a write crosses yields a snapshot covering `[previous capture or prepare offset, o)`,
+    taken inside the forward that crossed it; `take_snapshots()` returns them in order.
+    """
+
+    def __init__(self, batch_size: int):
+        self.offsets = [0] * batch_size
+        self._scheduled: list[int] = []
+        self._capture_from = 0
+        self._captures: list[Snapshot] = []
+        self.record = False
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.offsets)
+
+    @property
+    def offset(self) -> int:
+        """Tokens held; defined when every row holds the same number."""
+        first = self.offsets[0]
+        if any(o != first for o in self.offsets):
+            raise ValueError(f"rows are at different offsets {self.offsets}")
+        return first
+
+    def prepare_snapshots(self, offsets: list[int], ranges: bool = False) -> None:
+        """Schedule captures at `offsets` (absolute, > current offset). `ranges` asks for
+        range-restorable captures (recurrent layers then record their scan inputs)."""
+        now = self.offset
+        bad = [o for o in offsets if o <= now]
+        if bad:
+            raise ValueError(f"capture offsets {bad} are not after the current offset {now}")
+        self._scheduled = sorted(set(offsets))
+        self._capture_from = now
+        self.record = ranges or self.record
+
+    def take_snapshots(self) -> list[Snapshot]:
+        """Captures made since `prepare_snapshots`, oldest first; clears the schedule."""
+        caps, self._captures, self._scheduled = self._captures, [], []
+        return caps
+
+    def _crossed(self, old: int, new: int) -> list[int]:
+        """Scheduled offsets in (old, new], removed from the schedule."""
+        hit = [o for o in self._scheduled if old < o <= new]
+        if hit:
+            self._scheduled = [o for o in self._scheduled if o > new]
+        return hit
+
+    def _clear_schedule_after_restore(self) -> None:
+        self._scheduled = []
+        self._capture_from = self.offset
+
+    @abstractmethod
+    def snapshot(self, start: int) -> Snapshot:
+        """Capture `[start, offset)`."""
+
+    @abstractmethod
+    def restore(self, snap: Snapshot | None, target: int) -> bool:
+        """Bring the cache to `target` using `snap` (None: rewind the live state). Returns False
+        and changes nothing when `target` is unreachable."""
+
+    @abstractmethod
+    def split(self, snap: Snapshot, at: int) -> tuple[Snapshot, Snapshot]:
+        """Cut `snap` into `[start, at)` and `[at, end)`; takes ownership of `snap`."""
+
+    @abstractmethod
+    def merge(self, parent: Snapshot, child: Snapshot) -> Snapshot:
+        """Join adjacent snapshots into `[parent.start, child.end)`; takes ownership of both."""
+
+    @abstractmethod
+    def free(self) -> None:
+        """Release the live state (lazy snapshots of it copy out first)."""
+
+    @property
+    @abstractmethod
+    def nbytes(self) -> int:
+        """Bytes of live state owned by this cache."""

@@ -1,0 +1,307 @@
+"""Attention caches: `KVCache` (full attention) and `SlidingKVCache` (sliding-window attention).
+
+Both keep keys/values in one buffer `[B, H, capacity, D]` whose row i holds absolute position
+`start_pos + i`. The full cache never trims (`start_pos` stays 0); the sliding cache drops rows
+that no future query can see when it needs room, so it holds at most `window - 1 + L + step`
+rows. Snapshots are rows too, and start *lazy*: they name a range of the live buffer and own no
+bytes until a write (or a trim) is about to destroy that range, when they copy it out.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from hybridlm.batch import Batch
+from hybridlm.cache.base import LayerCache, Snapshot, tensor_bytes
+
+
+class AttentionHistory(NamedTuple):
+    """What an attention layer sees: keys/values [B, H, T, D] at absolute positions
+    [key_start, key_start + T), and the window its mask must enforce (None: causal only)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    key_start: int
+    window: int | None
+
+
+class RowsSnapshot(Snapshot):
+    """Key/value rows of `[rows_start, end)` for a snapshot covering `[start, end)`.
+
+    `rows_start > start` only for sliding snapshots compacted to the rows the window needs.
+    While `owner` is set the rows live in the owner's buffer (lazy, 0 bytes owned).
+    """
+
+    def __init__(self, start: int, end: int, rows_start: int, window: int | None, owner=None, k=None, v=None):
+        self.start, self.end, self.rows_start, self.window = start, end, rows_start, window
+        self.owner: KVCache | None = owner
+        self.k, self.v = k, v
+
+    @property
+    def lazy(self) -> bool:
+        return self.owner is not None
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.lazy else tensor_bytes(self.k, self.v)
+
+    def window_low(self, target: int) -> int:
+        """First position a query at `target` can see."""
+        return 0 if self.window is None else max(0, target - self.window + 1)
+
+    def reaches(self, target: int) -> bool:
+        if not self.start <= target <= self.end:
+            return False
+        return self.rows_start == self.start or self.window_low(target) >= self.rows_start
+
+    def rows(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows of positions [lo, hi) (views; callers copy)."""
+        if self.lazy:
+            return self.owner.rows(lo, hi)
+        return self.k[:, :, lo - self.rows_start : hi - self.rows_start], self.v[:, :, lo - self.rows_start : hi - self.rows_start]
+
+    def materialize(self) -> None:
+        """Copy the rows out of the owner's buffer."""
+        if not self.lazy:
+            return
+        k, v = self.owner.rows(self.rows_start, self.end)
+        self.owner._lazy.remove(self)
+        self.k, self.v, self.owner = k.clone(), v.clone(), None
+        if self.on_grow is not None:
+            self.on_grow(self.nbytes)
+
+    def _release(self) -> None:
+        if self.lazy:
+            self.owner._lazy.remove(self)
+            self.owner = None
+        self.k = self.v = None
+
+
+class KVCache(LayerCache):
+    """Append-only keys/values of a full-attention layer; capacity grows in steps of `step` rows."""
+
+    window: int | None = None
+
+    def __init__(self, batch_size: int = 1, step: int = 256):
+        super().__init__(batch_size)
+        self.step = step
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+        self.start_pos = 0
+        self.valid_from = 0
+        self._lazy: list[RowsSnapshot] = []
+
+    # ---- storage -------------------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        return 0 if self.k is None else self.k.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        return tensor_bytes(self.k, self.v)
+
+    def rows(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        i, j = lo - self.start_pos, hi - self.start_pos
+        if i < 0 or j > self.capacity:
+            raise IndexError(f"rows [{lo}, {hi}) are not held (buffer holds from {self.start_pos})")
+        return self.k[:, :, i:j], self.v[:, :, i:j]
+
+    def _copy_out_lazy(self, lo: int, hi: int) -> None:
+        """Lazy snapshots whose rows intersect [lo, hi) copy out before those rows change."""
+        for snap in [s for s in self._lazy if s.rows_start < hi and lo < s.end]:
+            snap.materialize()
+
+    def _make_room(self, lo: int, hi: int) -> None:
+        """Make buffer rows for positions [lo, hi) writable."""
+
+    def _ensure(self, hi: int, like_k: torch.Tensor, like_v: torch.Tensor) -> None:
+        need = hi - self.start_pos
+        if need <= self.capacity:
+            return
+        cap = -(-need // self.step) * self.step
+        b, h = like_k.shape[:2]
+        k = torch.zeros(b, h, cap, like_k.shape[3], dtype=like_k.dtype, device=like_k.device)
+        v = torch.zeros(b, h, cap, like_v.shape[3], dtype=like_v.dtype, device=like_v.device)
+        if self.k is not None:
+            k[:, :, : self.capacity] = self.k
+            v[:, :, : self.capacity] = self.v
+        self.k, self.v = k, v
+
+    def _write(self, lo: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write rows [lo, lo + n) for every row of the batch."""
+        hi = lo + k.shape[2]
+        self._make_room(lo, hi)
+        self._copy_out_lazy(lo, hi)
+        self._ensure(hi, k, v)
+        i = lo - self.start_pos
+        self.k[:, :, i : i + k.shape[2]] = k
+        self.v[:, :, i : i + k.shape[2]] = v
+
+    # ---- the model-facing view -----------------------------------------------------------
+    def update(self, batch: Batch, k: torch.Tensor, v: torch.Tensor) -> AttentionHistory:
+        """Store k, v [B, H, L, D] at each row's offset; return the history the layer attends over."""
+        length = k.shape[2]
+        old = self.offsets
+        if len(set(old)) == 1:
+            self._write(old[0], k, v)
+        else:
+            lo = min(old)
+            self._make_room(lo, max(old) + length)
+            self._copy_out_lazy(lo, max(old) + length)
+            self._ensure(max(old) + length, k, v)
+            for b, o in enumerate(old):
+                i = o - self.start_pos
+                self.k[b, :, i : i + length] = k[b]
+                self.v[b, :, i : i + length] = v[b]
+        self.offsets = [o + n for o, n in zip(old, batch.query_lens, strict=True)]
+        if self._scheduled:
+            self._capture(old[0], self.offset)
+        hi = max(old) + length
+        lo = self.start_pos if self.window is None else max(self.start_pos, min(old) - self.window + 1)
+        keys, values = self.rows(lo, hi)
+        return AttentionHistory(keys, values, lo, self.window)
+
+    def _capture(self, old: int, new: int) -> None:
+        for o in self._crossed(old, new):
+            start = self._capture_from
+            self._captures.append(self._lazy_snapshot(start, o))
+            self._capture_from = o
+
+    def _lazy_snapshot(self, start: int, end: int) -> RowsSnapshot:
+        rows_start = max(start, self.start_pos)
+        snap = RowsSnapshot(start, end, rows_start, self.window, owner=self)
+        self._lazy.append(snap)
+        return snap
+
+    # ---- snapshot contract ---------------------------------------------------------------
+    def snapshot(self, start: int) -> RowsSnapshot:
+        end = self.offset
+        if not 0 <= start <= end:
+            raise ValueError(f"snapshot start {start} outside [0, {end}]")
+        return self._lazy_snapshot(start, end)
+
+    def _holds(self, lo: int, hi: int) -> bool:
+        """True when the live buffer holds valid rows for positions [lo, hi)."""
+        return hi <= self.offset and lo >= max(self.start_pos, self.valid_from)
+
+    def restore(self, snap: RowsSnapshot | None, target: int) -> bool:
+        if snap is None:
+            low = 0 if self.window is None else max(0, target - self.window + 1)
+            if not 0 <= target <= self.offset or not self._holds(low, target):
+                return False
+            self.offsets = [target] * self.batch_size
+            self._clear_schedule_after_restore()
+            return True
+        snap._check_open()
+        if not snap.reaches(target):
+            return False
+        low = snap.window_low(target)
+        from_cache_hi = min(snap.rows_start, target)
+        if low < from_cache_hi and not (self.offset >= snap.start and self._holds(low, from_cache_hi)):
+            return False
+        if snap.owner is not self:
+            copy_lo = max(low, snap.rows_start)
+            if copy_lo < target:
+                k, v = snap.rows(copy_lo, target)
+                self._write(copy_lo, k.clone() if snap.lazy else k, v.clone() if snap.lazy else v)
+        if low >= from_cache_hi:
+            # The snapshot alone supplied the window: rows before it are not on this path.
+            self.valid_from = max(low, snap.rows_start)
+        self.offsets = [target] * self.batch_size
+        self._clear_schedule_after_restore()
+        return True
+
+    def split(self, snap: RowsSnapshot, at: int) -> tuple[RowsSnapshot, RowsSnapshot]:
+        snap._check_open()
+        if not snap.start <= at <= snap.end:
+            raise ValueError(f"split point {at} outside [{snap.start}, {snap.end}]")
+        if snap.lazy:
+            owner = snap.owner
+            left = RowsSnapshot(snap.start, at, min(snap.rows_start, at), snap.window, owner=owner)
+            right = RowsSnapshot(at, snap.end, max(snap.rows_start, at), snap.window, owner=owner)
+            owner._lazy.extend([left, right])
+        else:
+            cut = max(0, at - snap.rows_start)
+            left = RowsSnapshot(
+                snap.start, at, min(snap.rows_start, at), snap.window,
+                k=snap.k[:, :, :cut].clone(), v=snap.v[:, :, :cut].clone(),
+            )
+            right = RowsSnapshot(
+                at, snap.end, max(snap.rows_start, at), snap.window,
+                k=snap.k[:, :, cut:].clone(), v=snap.v[:, :, cut:].clone(),
+            )
+        left.on_grow = right.on_grow = snap.on_grow
+        snap.free()
+        return left, right
+
+    def merge(self, parent: RowsSnapshot, child: RowsSnapshot) -> RowsSnapshot:
+        parent._check_open()
+        child._check_open()
+        if parent.end != child.start:
+            raise ValueError(f"cannot merge [{parent.start}, {parent.end}) with [{child.start}, {child.end})")
+        if child.rows_start > child.start:
+            # The child was compacted: the parent's rows add nothing it can use.
+            parent.free()
+            merged = RowsSnapshot(parent.start, child.end, child.rows_start, child.window)
+            merged.owner, merged.k, merged.v = child.owner, child.k, child.v
+            if child.lazy:
+                child.owner._lazy.append(merged)
+        elif parent.lazy and child.lazy and parent.owner is child.owner:
+            merged = RowsSnapshot(parent.start, child.end, parent.rows_start, parent.window, owner=parent.owner)
+            parent.owner._lazy.append(merged)
+            parent.free()
+        else:
+            parent.materialize()
+            child.materialize()
+            merged = RowsSnapshot(
+                parent.start, child.end, parent.rows_start, parent.window,
+                k=torch.cat([parent.k, child.k], dim=2), v=torch.cat([parent.v, child.v], dim=2),
+            )
+            parent.free()
+        merged.on_grow = parent.on_grow or child.on_grow
+        child.free()
+        return merged
+
+    def free(self) -> None:
+        for snap in list(self._lazy):
+            snap.materialize()
+        self.k = self.v = None
+        self.offsets = [0] * self.batch_size
+        self.start_pos = self.valid_from = 0
+
+
+class SlidingKVCache(KVCache):
+    """Keys/values of a sliding-window layer: keeps the last `window - 1` rows before the write
+    position (plus the rows being written), so memory is bounded by `window - 1 + L + step`."""
+
+    def __init__(self, window: int, batch_size: int = 1, step: int = 256):
+        super().__init__(batch_size, step)
+        self.window = window
+
+    def compact(self, snap: RowsSnapshot) -> RowsSnapshot:
+        """A point checkpoint: keep only the rows the window needs at `snap.end` (restores only
+        to `end`); takes ownership of `snap`."""
+        keep = max(snap.rows_start, snap.end - self.window + 1)
+        if keep == snap.rows_start:
+            return snap
+        k, v = snap.rows(keep, snap.end)
+        out = RowsSnapshot(snap.start, snap.end, keep, self.window, k=k.clone(), v=v.clone())
+        out.on_grow = snap.on_grow
+        snap.free()
+        return out
+
+    def _make_room(self, lo: int, hi: int) -> None:
+        if hi - self.start_pos <= self.capacity:
+            return
+        new_start = max(self.start_pos, lo - self.window + 1)
+        if new_start == self.start_pos:
+            return
+        self._copy_out_lazy(self.start_pos, new_start)
+        keep = max(0, self.start_pos + self.capacity - new_start)
+        if keep:
+            shift = new_start - self.start_pos
+            self.k[:, :, :keep] = self.k[:, :, shift : shift + keep].clone()
+            self.v[:, :, :keep] = self.v[:, :, shift : shift + keep].clone()
+        self.start_pos = new_start

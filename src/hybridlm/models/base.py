@@ -1,0 +1,119 @@
+"""Model contract, configuration view and the registry of families by `model_type`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from hybridlm.batch import Batch
+from hybridlm.cache.base import LayerCache
+
+
+class Config(dict):
+    """A checkpoint's config.json (the text config for multimodal layouts) with attribute access."""
+
+    def __getattr__(self, name):
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(f"config has no field {name!r}") from None
+
+    def get_rope(self, default_theta: float = 10000.0) -> dict:
+        """transformers 5 `rope_parameters`, falling back to the older flat fields."""
+        params = dict(self.get("rope_parameters") or self.get("rope_scaling") or {})
+        params.setdefault("rope_theta", self.get("rope_theta", default_theta))
+        if "partial_rotary_factor" in self:
+            params.setdefault("partial_rotary_factor", self["partial_rotary_factor"])
+        params.setdefault("rope_type", params.pop("type", "default"))
+        return params
+
+
+FAMILIES: dict[str, type[CausalLM]] = {}
+
+
+def register(*model_types: str) -> Callable[[type[CausalLM]], type[CausalLM]]:
+    def deco(cls):
+        for t in model_types:
+            FAMILIES[t] = cls
+        return cls
+
+    return deco
+
+
+class CausalLM(nn.Module):
+    """A decoder-only LM: `model.embed_tokens`, `model.layers[i]`, `model.norm`, `lm_head`.
+
+    Parameter names follow the Hugging Face checkpoint of the family (after `remap`), so a
+    checkpoint loads with `load_state_dict`. Each layer has `make_cache(batch_size, dtype,
+    device)` returning its cache (or None) and `forward(h, batch, cache) -> h`.
+    """
+
+    config: Config
+
+    @classmethod
+    def text_config(cls, raw: dict) -> Config:
+        """The config the text model is built from (multimodal layouts nest it)."""
+        text = dict(raw.get("text_config") or raw)
+        if "tie_word_embeddings" in raw:
+            text.setdefault("tie_word_embeddings", raw["tie_word_embeddings"])
+        return Config(text)
+
+    @classmethod
+    def remap(cls, name: str, config: Config) -> str | None:
+        """Checkpoint tensor name -> parameter name; None ignores the tensor."""
+        return name
+
+    @classmethod
+    def convert(cls, state: dict[str, torch.Tensor], config: Config) -> dict[str, torch.Tensor]:
+        """Rewrite loaded tensors into this implementation's layout (fused projections...)."""
+        return state
+
+    @property
+    def tied(self) -> bool:
+        return bool(self.config.get("tie_word_embeddings", False))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    @property
+    def vocab_size(self) -> int:
+        return self.lm_head.weight.shape[0]
+
+    def make_caches(self, batch_size: int = 1) -> list[LayerCache | None]:
+        return [layer.make_cache(batch_size, self.dtype, self.device) for layer in self.model.layers]
+
+    def embed(self, batch: Batch) -> torch.Tensor:
+        return self.model.embed_tokens(batch.input_ids)
+
+    def prepare(self, batch: Batch) -> None:
+        """Per-forward shared tensors (rotary tables) go into `batch.memo` here."""
+
+    def hidden_states(self, batch: Batch, caches: list[LayerCache | None]) -> torch.Tensor:
+        """[B, L, d] final-normed hidden states; advances every cache by the batch."""
+        self.prepare(batch)
+        h = self.embed(batch)
+        for layer, cache in zip(self.model.layers, caches, strict=True):
+            h = layer(h, batch, cache)
+        return self.model.norm(h)
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(h).float()
+
+    @torch.inference_mode()
+    def forward(self, batch: Batch, caches: list[LayerCache | None], logits: str = "last") -> torch.Tensor:
+        """Run the batch through the model, advancing the caches.
+
+        logits: "last" -> [B, V] float32 at each row's last real token; "all" -> [B, L, V].
+        """
+        h = self.hidden_states(batch, caches)
+        if logits == "all":
+            return self.head(h)
+        last = torch.as_tensor(batch.query_lens, device=h.device) - 1
+        return self.head(h[torch.arange(h.shape[0], device=h.device), last.clamp(min=0)])

@@ -1,0 +1,203 @@
+"""Layers shared by the families: attention, gated MLP, Gated DeltaNet, the pre-norm block.
+
+Attribute names follow the Hugging Face checkpoints (families remap where theirs differ).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridlm.batch import Batch
+from hybridlm.cache import KVCache, RecurrentCache, SlidingKVCache
+from hybridlm.ops.attention import attention
+from hybridlm.ops.conv import causal_conv1d
+from hybridlm.ops.gated_delta import gated_delta_rule
+from hybridlm.ops.linear import Linear
+from hybridlm.ops.norms import GatedRMSNorm, l2_normalize
+from hybridlm.ops.rope import Rotary, apply_rotary
+
+ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": F.gelu,
+}
+
+
+def rope_tables(batch: Batch, rotary: Rotary, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [B, 1, L, rot_dim] for this forward, built once per rotary table."""
+    return batch.memoize(("rope", id(rotary), dtype), lambda: rotary.cos_sin(batch.positions(), dtype))
+
+
+class Attention(nn.Module):
+    """Multi-head GQA attention with optional per-head q/k norm, output gate (Qwen3.5: q_proj
+    yields query and gate), partial rotary, sliding window and logit soft-capping."""
+
+    def __init__(
+        self,
+        hidden: int,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        rotary: Rotary,
+        *,
+        bias: bool = False,
+        qk_norm: type[nn.Module] | None = None,
+        eps: float = 1e-6,
+        gated: bool = False,
+        window: int | None = None,
+        scale: float | None = None,
+        softcap: float | None = None,
+    ):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.gated, self.window, self.softcap = gated, window, softcap
+        self.scale = scale if scale is not None else head_dim**-0.5
+        self.rotary = rotary
+        self.q_proj = Linear(hidden, heads * head_dim * (2 if gated else 1), bias=bias)
+        self.k_proj = Linear(hidden, kv_heads * head_dim, bias=bias)
+        self.v_proj = Linear(hidden, kv_heads * head_dim, bias=bias)
+        self.o_proj = Linear(heads * head_dim, hidden, bias=bias)
+        if qk_norm is not None:
+            self.q_norm = qk_norm(head_dim, eps=eps)
+            self.k_norm = qk_norm(head_dim, eps=eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def make_cache(self, batch_size: int, dtype, device):
+        return KVCache(batch_size) if self.window is None else SlidingKVCache(self.window, batch_size)
+
+    def forward(self, x: torch.Tensor, batch: Batch, cache: KVCache) -> torch.Tensor:
+        b, length, _ = x.shape
+        q = self.q_proj(x)
+        gate = None
+        if self.gated:
+            q, gate = q.view(b, length, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
+            gate = gate.reshape(b, length, -1)
+        else:
+            q = q.view(b, length, self.heads, self.head_dim)
+        k = self.k_proj(x).view(b, length, self.kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, length, self.kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        cos, sin = rope_tables(batch, self.rotary, q.dtype)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        hist = cache.update(batch, k, v)
+        o = attention(
+            q, hist.keys, hist.values, batch,
+            key_start=hist.key_start, scale=self.scale, window=hist.window, softcap=self.softcap,
+        )
+        o = o.transpose(1, 2).reshape(b, length, -1)
+        if gate is not None:
+            o = o * torch.sigmoid(gate)
+        return self.o_proj(o)
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, intermediate: int, act: str = "silu", bias: bool = False):
+        super().__init__()
+        self.gate_proj = Linear(hidden, intermediate, bias=bias)
+        self.up_proj = Linear(hidden, intermediate, bias=bias)
+        self.down_proj = Linear(intermediate, hidden, bias=bias)
+        self.act = ACTIVATIONS[act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class GatedDeltaNet(nn.Module):
+    """Gated DeltaNet token mixer (Qwen3.5 / Qwen3-Next linear-attention layers).
+
+    Scan inputs (what `RecurrentCache` logs for replay): the pre-conv projection [B, L, conv_dim]
+    and the raw gate projections a‖b [B, L, 2·Hv]; everything after them is `mix`.
+    """
+
+    def __init__(self, hidden, k_heads, v_heads, k_dim, v_dim, conv_kernel, eps=1e-6):
+        super().__init__()
+        self.k_heads, self.v_heads, self.k_dim, self.v_dim = k_heads, v_heads, k_dim, v_dim
+        self.key_dim, self.value_dim = k_heads * k_dim, v_heads * v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.kernel = conv_kernel
+        self.in_proj_qkv = Linear(hidden, self.conv_dim, bias=False)
+        self.in_proj_z = Linear(hidden, self.value_dim, bias=False)
+        self.in_proj_b = Linear(hidden, v_heads, bias=False)
+        self.in_proj_a = Linear(hidden, v_heads, bias=False)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, conv_kernel, groups=self.conv_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(v_heads))
+        self.A_log = nn.Parameter(torch.zeros(v_heads))
+        self.norm = GatedRMSNorm(v_dim, eps=eps)
+        self.out_proj = Linear(self.value_dim, hidden, bias=False)
+
+    def make_cache(self, batch_size: int, dtype, device):
+        return RecurrentCache(
+            batch_size, self.conv_dim, self.kernel, self.v_heads, self.k_dim, self.v_dim, self.replay, dtype, device
+        )
+
+    def mix(self, qkv, ab, conv_tail, state, query_lens=None, splits=()):
+        """Conv + gated delta scan over scan inputs.
+
+        qkv [B, L, conv_dim], ab [B, L, 2·Hv] -> (o [B, L, Hv, Dv], conv_tail, state, boundary)
+        where boundary[i] = (tail, state) after `splits[i]` tokens.
+        """
+        b, length, _ = qkv.shape
+        conv_w = self.conv1d.weight.squeeze(1)
+        x, tail, tails = causal_conv1d(qkv, conv_w, None, conv_tail, activation="silu", query_lens=query_lens, splits=splits)
+        q, k, v = torch.split(x, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = l2_normalize(q.reshape(b, length, self.k_heads, self.k_dim).float())
+        k = l2_normalize(k.reshape(b, length, self.k_heads, self.k_dim).float())
+        v = v.reshape(b, length, self.v_heads, self.v_dim)
+        if self.v_heads != self.k_heads:
+            rep = self.v_heads // self.k_heads
+            q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
+        a, beta_in = ab.split(self.v_heads, dim=-1)
+        beta = beta_in.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        o, state, states = gated_delta_rule(q, k, v, g, beta, state, query_lens=query_lens, splits=splits)
+        return o, tail, state, list(zip(tails, states, strict=True))
+
+    def replay(self, conv_tail, state, qkv, ab):
+        _, tail, state, _ = self.mix(qkv, ab, conv_tail, state)
+        return tail, state
+
+    def forward(self, x: torch.Tensor, batch: Batch, cache: RecurrentCache) -> torch.Tensor:
+        b, length, _ = x.shape
+        mask = batch.token_mask()
+        if mask is not None:
+            x = x * mask[..., None].to(x.dtype)
+        qkv = self.in_proj_qkv(x)
+        ab = torch.cat([self.in_proj_a(x), self.in_proj_b(x)], dim=-1)
+        hist = cache.get(batch)
+        lens = batch.query_lens if batch.padded else None
+        o, tail, state, boundary = self.mix(qkv, ab, hist.conv_tail, hist.state, lens, hist.splits)
+        cache.put(batch, tail, state, boundary, inputs=qkv if hist.record else None, gates=ab if hist.record else None)
+        z = self.in_proj_z(x).view(b, length, self.v_heads, self.v_dim)
+        o = self.norm(o.to(x.dtype), z)
+        return self.out_proj(o.reshape(b, length, self.value_dim))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: h + mixer(norm(h)), then h + mlp(norm(h)). `mixer_name` is the checkpoint's
+    attribute name for the token mixer (self_attn, linear_attn, conv...)."""
+
+    def __init__(self, mixer_name: str, mixer: nn.Module, mlp: nn.Module, norm: type[nn.Module], hidden: int, eps: float):
+        super().__init__()
+        self.mixer_name = mixer_name
+        setattr(self, mixer_name, mixer)
+        self.mlp = mlp
+        self.input_layernorm = norm(hidden, eps=eps)
+        self.post_attention_layernorm = norm(hidden, eps=eps)
+
+    @property
+    def mixer(self) -> nn.Module:
+        return getattr(self, self.mixer_name)
+
+    def make_cache(self, batch_size: int, dtype, device):
+        return self.mixer.make_cache(batch_size, dtype, device)
+
+    def forward(self, h: torch.Tensor, batch: Batch, cache) -> torch.Tensor:
+        h = h + self.mixer(self.input_layernorm(h), batch, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))

@@ -1,0 +1,116 @@
+"""Load a Hugging Face checkpoint directory (config.json + safetensors) into a registered family.
+
+Loading is all-or-nothing: every tensor is checked (name, shape) before the model is returned,
+and any problem raises `CheckpointError` naming the file and tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from hybridlm.models.base import FAMILIES, CausalLM
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that cannot be loaded as it is."""
+
+
+def read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: file not found") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: unreadable JSON ({e})") from None
+
+
+def weight_files(root: Path) -> list[Path]:
+    """The safetensors files of a checkpoint: those named by the index, else every *.safetensors."""
+    index = root / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(read_json(index).get("weight_map", {}).values()))
+        files = [root / n for n in names]
+        missing = [str(f) for f in files if not f.exists()]
+        if missing:
+            raise CheckpointError(f"{index}: names missing files {missing}")
+        return files
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{root}: no *.safetensors files (pickle checkpoints are not read)")
+    return files
+
+
+def family_for(config: dict, root: Path) -> type[CausalLM]:
+    model_type = config.get("model_type")
+    if model_type not in FAMILIES:
+        known = ", ".join(sorted(FAMILIES))
+        raise CheckpointError(f"{root / 'config.json'}: unsupported model_type {model_type!r} (supported: {known})")
+    return FAMILIES[model_type]
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def load_model(path: str | Path, dtype: torch.dtype | None = None, device=None) -> CausalLM:
+    """Build the family named by config.json and load its weights (bf16 unless `dtype` says)."""
+    root = Path(path)
+    if not root.is_dir():
+        raise CheckpointError(f"{root}: not a checkpoint directory")
+    raw = read_json(root / "config.json")
+    cls = family_for(raw, root)
+    config = cls.text_config(raw)
+    dtype = dtype or torch.bfloat16
+    device = torch.device(device) if device is not None else default_device()
+    with torch.device("meta"):
+        model = cls(config)
+    expected = {k: v.shape for k, v in model.state_dict().items()}
+    if model.tied:
+        expected.pop("lm_head.weight", None)
+
+    state: dict[str, torch.Tensor] = {}
+    source: dict[str, Path] = {}
+    for file in weight_files(root):
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    target = cls.remap(name, config)
+                    if target is None or (model.tied and target == "lm_head.weight"):
+                        continue
+                    if target in source:
+                        raise CheckpointError(f"{file}: tensor {name!r} duplicates one in {source[target]}")
+                    state[target] = f.get_tensor(name)
+                    source[target] = file
+        except CheckpointError:
+            raise
+        except Exception as e:  # safetensors raises its own error types for corrupt headers/data
+            raise CheckpointError(f"{file}: unreadable safetensors file ({e})") from None
+
+    state = cls.convert(state, config)
+    unexpected = sorted(set(state) - set(expected))
+    if unexpected:
+        name = unexpected[0]
+        raise CheckpointError(f"{source.get(name, root)}: unexpected tensor {name!r} ({len(unexpected)} in all)")
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        raise CheckpointError(f"{root}: missing tensor {missing[0]!r} ({len(missing)} missing: {missing[:5]})")
+    for name, shape in expected.items():
+        if tuple(state[name].shape) != tuple(shape):
+            where = source.get(name, root)
+            raise CheckpointError(
+                f"{where}: tensor {name!r} has shape {tuple(state[name].shape)}, expected {tuple(shape)}"
+            )
+    state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
+    model.load_state_dict(state, strict=False, assign=True)
+    if model.tied:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.eval()
+    log.debug("loaded %s from %s (%d tensors)", type(model).__name__, root, len(state))
+    return model

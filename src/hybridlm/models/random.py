@@ -1,0 +1,76 @@
+"""Random-weight checkpoints written by hybridlm itself (benchmarks, no transformers needed).
+
+The tensors have the names and shapes of the family's published checkpoints, so the files load
+exactly like a downloaded model.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from hybridlm.models.base import FAMILIES
+from hybridlm.ops.norms import OffsetRMSNorm
+
+# Qwen3.5-0.8B's published text shape (DESIGN.md §6.1): 752 M parameters, tied embeddings.
+QWEN3_5_0_8B = {
+    "model_type": "qwen3_5_text",
+    "vocab_size": 248320,
+    "hidden_size": 1024,
+    "intermediate_size": 3584,
+    "num_hidden_layers": 24,
+    "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 6,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 256,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 16,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4,
+    "rms_norm_eps": 1e-6,
+    "hidden_act": "silu",
+    "tie_word_embeddings": True,
+    "max_position_embeddings": 262144,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+    "eos_token_id": 248044,
+}
+
+PRESETS = {"qwen3.5-0.8b": QWEN3_5_0_8B}
+
+
+def random_state(config: dict, seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+    """Tensors for every parameter of the family, seeded: matrices ~ N(0, 0.02²), norms at their
+    identity value, Gated DeltaNet decay parameters in their trained ranges."""
+    cls = FAMILIES[config["model_type"]]
+    with torch.device("meta"):
+        model = cls(cls.text_config(config))
+    zero_centred = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, OffsetRMSNorm)}
+    g = torch.Generator().manual_seed(seed)
+    state = {}
+    for name, p in model.state_dict().items():
+        if model.tied and name == "lm_head.weight":
+            continue
+        if name.endswith("A_log"):
+            t = torch.log(torch.rand(p.shape, generator=g) * 15 + 1)
+        elif name in zero_centred or name.endswith(".bias"):
+            t = torch.zeros(p.shape)
+        elif p.dim() == 1:
+            t = torch.ones(p.shape)
+        else:
+            t = torch.randn(p.shape, generator=g) * 0.02
+        state[name] = t.to(dtype)
+    return state
+
+
+def write_random_checkpoint(config: dict, out: str | Path, seed: int = 0) -> Path:
+    """Write config.json + model.safetensors (bf16) for `config` into `out`."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    state = random_state(config, seed)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out

@@ -1,0 +1,123 @@
+"""Every family against transformers on random checkpoints, and every cache path against
+recomputation from scratch (DESIGN.md §5)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from hybridlm.batch import Batch
+from hybridlm.models import load_model
+from tests.oracles.checkpoints import BUILDERS, REPRESENTATIVE
+
+FAMILIES = list(BUILDERS)
+ONE_PER_FAMILY = REPRESENTATIVE
+
+
+def ids_for(n: int, seed: int = 0, vocab: int = 500) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, vocab) for _ in range(n)]
+
+
+def full_logits(model, ids: list[int]) -> torch.Tensor:
+    """[L, V] logits of one uncached forward."""
+    return model(Batch.single(ids, device=model.device), model.make_caches(1), logits="all")[0]
+
+
+def run_chunks(model, ids: list[int], chunk: int, caches=None) -> torch.Tensor:
+    caches = caches if caches is not None else model.make_caches(1)
+    out, pos = [], 0
+    while pos < len(ids):
+        piece = ids[pos : pos + chunk]
+        out.append(model(Batch.single(piece, offset=pos, device=model.device), caches, logits="all")[0])
+        pos += len(piece)
+    return torch.cat(out)
+
+
+def assert_close_to_scale(ours: torch.Tensor, ref: torch.Tensor, rel: float) -> None:
+    scale = ref.abs().max().item()
+    err = (ours - ref).abs().max().item()
+    assert err <= rel * scale, f"max abs error {err:.3e} > {rel:g} × logit scale {scale:.3f}"
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_float32_logits_match_transformers(checkpoints, name):
+    ckpt = checkpoints(name)
+    ref = ckpt.reference(torch.float32)
+    ours = load_model(ckpt.path, dtype=torch.float32, device="cpu")
+    ids = ids_for(37, seed=1)
+    with torch.no_grad():
+        expected = ref(torch.tensor([ids])).logits[0].float()
+    assert_close_to_scale(full_logits(ours, ids), expected, 1e-4)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_bfloat16_argmax_agrees_with_transformers(checkpoints, name):
+    ckpt = checkpoints(name)
+    ref = ckpt.reference(torch.bfloat16)
+    ours = load_model(ckpt.path, device="cpu")
+    assert ours.dtype == torch.bfloat16
+    ids = ids_for(200, seed=2)
+    with torch.no_grad():
+        expected = ref(torch.tensor([ids])).logits[0].float()
+    got = full_logits(ours, ids)
+    agree = (got.argmax(-1) == expected.argmax(-1)).float().mean().item()
+    assert agree >= 0.99, f"argmax agreement {agree:.3f}"
+    assert_close_to_scale(got, expected, 5e-2)
+
+
+@pytest.mark.parametrize("name", ONE_PER_FAMILY)
+@pytest.mark.parametrize("chunk", [1, 7, 64, 300])
+def test_chunked_prefill_equals_one_piece(checkpoints, name, chunk):
+    model = load_model(checkpoints(name).path, dtype=torch.float32, device="cpu")
+    ids = ids_for(330 if chunk >= 64 else 90, seed=3)
+    whole = full_logits(model, ids)
+    assert_close_to_scale(run_chunks(model, ids, chunk), whole, 2e-5)
+
+
+@pytest.mark.parametrize("name", ONE_PER_FAMILY)
+def test_restore_inside_any_snapshot_equals_recompute(checkpoints, name):
+    """Captures at random offsets during a chunked prefill, then more tokens; restoring every
+    cache to an offset inside a captured range (recurrent: by replay) gives the logits of
+    recomputing that prefix from scratch."""
+    model = load_model(checkpoints(name).path, dtype=torch.float32, device="cpu")
+    rng = random.Random(4)
+    ids = ids_for(150, seed=4)
+    cuts = sorted(rng.sample(range(5, 100), 4)) + [100]
+    caches = model.make_caches(1)
+    for c in caches:
+        c.prepare_snapshots(cuts, ranges=True)
+    run_chunks(model, ids[:100], 23, caches)
+    snaps = [c.take_snapshots() for c in caches]
+    assert all(len(s) == len(cuts) for s in snaps)
+    run_chunks(model, ids[100:], 50, caches)
+    for target in [cuts[0], rng.randrange(cuts[1] + 1, cuts[2]), cuts[3] - 1, 100]:
+        seg = next(i for i, c in enumerate(cuts) if target <= c)
+        for cache, layer_snaps in zip(caches, snaps, strict=True):
+            for i in range(seg):
+                assert cache.restore(layer_snaps[i], layer_snaps[i].end)
+            assert cache.restore(layer_snaps[seg], target), type(cache).__name__
+        nxt = ids[target]
+        got = model(Batch.single([nxt], offset=target), caches)[0]
+        expected = full_logits(model, ids[: target + 1])[-1]
+        assert_close_to_scale(got, expected, 2e-5)
+    for layer_snaps in snaps:
+        for s in layer_snaps:
+            s.free()
+
+
+@pytest.mark.parametrize("name", ONE_PER_FAMILY)
+def test_ragged_batch_rows_equal_their_own_runs(checkpoints, name):
+    model = load_model(checkpoints(name).path, dtype=torch.float32, device="cpu")
+    rows = [ids_for(n, seed=10 + n) for n in (13, 5, 9)]
+    caches = model.make_caches(3)
+    got = model(Batch.ragged(rows), caches, logits="all")
+    nxt = [[7], [8], [9]]
+    got_next = model(Batch.ragged(nxt, offsets=[len(r) for r in rows]), caches)
+    for b, row in enumerate(rows):
+        alone = full_logits(model, row)
+        assert_close_to_scale(got[b, : len(row)], alone, 2e-5)
+        expected_next = full_logits(model, row + nxt[b])[-1]
+        assert_close_to_scale(got_next[b], expected_next, 2e-5)

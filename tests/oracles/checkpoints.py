@@ -1,0 +1,17 @@
+"""Every oracle checkpoint by name, gathered from the family modules."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.oracles import dense, gemma3, lfm2, qwen3_5, qwen3_next
+from tests.oracles.common import Checkpoint
+
+MODULES = [qwen3_5, qwen3_next, lfm2, gemma3, dense]
+BUILDERS = {name: fn for m in MODULES for name, fn in m.BUILDERS.items()}
+REPRESENTATIVE = [name for m in MODULES for name in m.REPRESENTATIVE]
+
+
+def build(name: str, out: Path) -> Checkpoint:
+    """Write checkpoint `name` into `out`."""
+    return BUILDERS[name](out)
