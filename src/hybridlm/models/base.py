@@ -106,7 +106,7 @@ class CausalLM(nn.Module):
     def head(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(h).float()
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def forward(self, batch: Batch, caches: list[LayerCache | None], logits: str = "last") -> torch.Tensor:
         """Run the batch through the model, advancing the caches.
 

@@ -8,7 +8,8 @@ import torch
 def default_inv_freq(head_dim: int, base: float, partial_rotary_factor: float = 1.0) -> torch.Tensor:
     """[rot_dim / 2] float32 inverse frequencies of standard RoPE over `head_dim * factor` dims."""
     dim = int(head_dim * partial_rotary_factor)
-    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    # Explicitly on the CPU: models are built under a meta-device context, tables are not weights.
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim))
 
 
 def llama3_inv_freq(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
