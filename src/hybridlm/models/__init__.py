@@ -1,0 +1,12 @@
+"""Model families, built from ops and caches, loaded from Hugging Face checkpoint directories."""
+
+from hybridlm.models import (
+    dense,  # noqa: F401 - registers its model types
+    gemma3,  # noqa: F401 - registers its model types
+    lfm2,  # noqa: F401 - registers its model types
+    qwen3_5,  # noqa: F401 - registers its model types
+)
+from hybridlm.models.base import FAMILIES, CausalLM, Config
+from hybridlm.models.loader import CheckpointError, load_model
+
+__all__ = ["FAMILIES", "CausalLM", "CheckpointError", "Config", "load_model"]

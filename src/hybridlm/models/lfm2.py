@@ -1,0 +1,128 @@
+"""LFM2 (`lfm2`): gated short-convolution layers interleaved with full attention (q/k RMSNorm),
+SwiGLU feed-forward, RMSNorm everywhere (weight applied after the cast back, Llama order).
+
+The checkpoint names its pieces differently from the shared layers (`operator_norm`,
+`feed_forward.w1/w3/w2`, `self_attn.out_proj`, `q_layernorm`, `model.embedding_norm` — which,
+despite its name, is the final norm); `remap` renames them so the shared `Attention`, `GatedMLP`
+and `DecoderLayer` are used as they are.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hybridlm.batch import Batch
+from hybridlm.cache import ConvCache
+from hybridlm.models.base import CausalLM, Config, register
+from hybridlm.models.layers import Attention, DecoderLayer, GatedMLP
+from hybridlm.ops.conv import causal_conv1d
+from hybridlm.ops.linear import Linear
+from hybridlm.ops.norms import RMSNorm
+from hybridlm.ops.rope import Rotary, inv_freq_from_params
+
+# Checkpoint name fragment -> parameter name fragment (a tensor name holds at most one of them).
+RENAMES = [
+    ("model.embedding_norm.", "model.norm."),
+    (".operator_norm.", ".input_layernorm."),
+    (".ffn_norm.", ".post_attention_layernorm."),
+    (".feed_forward.w1.", ".mlp.gate_proj."),
+    (".feed_forward.w3.", ".mlp.up_proj."),
+    (".feed_forward.w2.", ".mlp.down_proj."),
+    (".self_attn.out_proj.", ".self_attn.o_proj."),
+    (".self_attn.q_layernorm.", ".self_attn.q_norm."),
+    (".self_attn.k_layernorm.", ".self_attn.k_norm."),
+]
+
+
+class ShortConv(nn.Module):
+    """LFM2's gated short convolution: in_proj -> (B, C, x); y = C · conv(B · x); out_proj(y).
+
+    The conv input B·x [B, L, hidden] is what `ConvCache` logs and carries (its last K-1 rows are
+    the tail), so replay needs no projection: the cache's own `conv_replay` suffices.
+    """
+
+    def __init__(self, hidden: int, kernel: int, bias: bool):
+        super().__init__()
+        self.hidden, self.kernel = hidden, kernel
+        self.in_proj = Linear(hidden, 3 * hidden, bias=bias)
+        self.conv = nn.Conv1d(hidden, hidden, kernel, groups=hidden, bias=bias)
+        self.out_proj = Linear(hidden, hidden, bias=bias)
+
+    def make_cache(self, batch_size: int, dtype, device) -> ConvCache:
+        return ConvCache(batch_size, self.hidden, self.kernel, dtype, device)
+
+    def forward(self, x: torch.Tensor, batch: Batch, cache: ConvCache) -> torch.Tensor:
+        """x [B, L, hidden] -> [B, L, hidden]; advances `cache` by the batch's real tokens."""
+        b_gate, c_gate, v = self.in_proj(x).chunk(3, dim=-1)
+        bx = b_gate * v
+        hist = cache.get(batch)
+        # Padded positions must not reach the carried tail (a padded row ends in the state of its prefix).
+        lens = batch.query_lens if batch.padded else None
+        w, bias = self.conv.weight.squeeze(1), self.conv.bias
+        y, tail, tails = causal_conv1d(bx, w, bias, hist.conv_tail, query_lens=lens, splits=hist.splits)
+        cache.put(batch, tail, None, [(t, None) for t in tails], inputs=bx if hist.record else None)
+        return self.out_proj(c_gate * y)
+
+
+def ff_dim(c: Config) -> int:
+    """The feed-forward width: `block_auto_adjust_ff_dim` (default on) takes 2/3 of
+    `intermediate_size`, scales it by `block_ffn_dim_multiplier` and rounds up to
+    `block_multiple_of` — so published configs say 12288 for an 8192-wide MLP."""
+    size = c.intermediate_size
+    if c.get("block_auto_adjust_ff_dim", True):
+        size = int(2 * size / 3)
+        multiplier = c.get("block_ffn_dim_multiplier", 1.0)
+        if multiplier is not None:
+            multiple = c.get("block_multiple_of", 256)
+            size = int(multiplier * size)
+            size = multiple * ((size + multiple - 1) // multiple)
+    return size
+
+
+@register("lfm2")
+class Lfm2(CausalLM):
+    def __init__(self, config: Config):
+        super().__init__()
+        self.config = c = config
+        head_dim = c.get("head_dim") or c.hidden_size // c.num_attention_heads
+        rotary = Rotary(*inv_freq_from_params(head_dim, c.get_rope(default_theta=1e6)))
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.model.layers = nn.ModuleList()
+        kernel = c.get("conv_L_cache", 3)
+        for kind in c.layer_types:
+            if kind == "conv":
+                mixer_name, mixer = "conv", ShortConv(c.hidden_size, kernel, c.get("conv_bias", False))
+            else:
+                mixer_name = "self_attn"
+                mixer = Attention(
+                    c.hidden_size, c.num_attention_heads, c.num_key_value_heads, head_dim, rotary,
+                    qk_norm=RMSNorm, eps=c.norm_eps,
+                )
+            mlp = GatedMLP(c.hidden_size, ff_dim(c))
+            self.model.layers.append(DecoderLayer(mixer_name, mixer, mlp, RMSNorm, c.hidden_size, c.norm_eps))
+        self.model.norm = RMSNorm(c.hidden_size, eps=c.norm_eps)
+        self.lm_head = Linear(c.hidden_size, c.vocab_size, bias=False)
+
+    @classmethod
+    def text_config(cls, raw: dict) -> Config:
+        """Normalise the field names of older LFM2 configs the way `Lfm2Config` does."""
+        c = Config(raw)
+        c.setdefault("norm_eps", 1e-5)
+        # Older configs: `tie_embedding` (wins over tie_word_embeddings), `block_ff_dim`, and
+        # `full_attn_idxs` instead of `layer_types` (absent: every layer is attention).
+        c["tie_word_embeddings"] = c.get("tie_embedding", c.get("tie_word_embeddings", True))
+        c["intermediate_size"] = c.get("block_ff_dim", c.get("intermediate_size", 12288))
+        if not c.get("layer_types"):
+            idxs = c.get("full_attn_idxs")
+            attn = set(range(c.num_hidden_layers) if idxs is None else idxs)
+            c["layer_types"] = ["full_attention" if i in attn else "conv" for i in range(c.num_hidden_layers)]
+        return c
+
+    @classmethod
+    def remap(cls, name: str, config: Config) -> str | None:
+        for old, new in RENAMES:
+            if old in name:
+                return name.replace(old, new, 1)
+        return name
