@@ -37,7 +37,9 @@ class Batch:
         return cls(t, [t.shape[1]], [offset])
 
     @classmethod
-    def ragged(cls, rows: list[list[int]], offsets: list[int] | None = None, device=None, pad_id: int = 0) -> Batch:
+    def ragged(
+        cls, rows: list[list[int]], offsets: list[int] | None = None, device=None, pad_id: int = 0
+    ) -> Batch:
         """Right-pad `rows` into one batch."""
         length = max(len(r) for r in rows)
         ids = torch.full((len(rows), length), pad_id, dtype=torch.long)

@@ -50,7 +50,9 @@ def weight_bytes_per_token(model) -> int:
 
 def prefill_flops_per_token(model) -> int:
     """2 × parameters used per prefill token (embedding lookup and LM head excluded)."""
-    params = sum(p.numel() for n, p in model.named_parameters() if not n.startswith(("lm_head", "model.embed_tokens")))
+    params = sum(
+        p.numel() for n, p in model.named_parameters() if not n.startswith(("lm_head", "model.embed_tokens"))
+    )
     return 2 * params
 
 
@@ -111,9 +113,16 @@ def main(args) -> int:
     wbytes = weight_bytes_per_token(model)
     flops = prefill_flops_per_token(model)
     report = {
-        "model": str(path), "dtype": str(dtype).removeprefix("torch."), "device": str(device),
-        "threads": torch.get_num_threads(), "bandwidth_gbs": bandwidth, "matmul_tflops": rate,
-        "weight_bytes_per_token": wbytes, "prefill_flops_per_token": flops, "prefill": {}, "decode": {},
+        "model": str(path),
+        "dtype": str(dtype).removeprefix("torch."),
+        "device": str(device),
+        "threads": torch.get_num_threads(),
+        "bandwidth_gbs": bandwidth,
+        "matmul_tflops": rate,
+        "weight_bytes_per_token": wbytes,
+        "prefill_flops_per_token": flops,
+        "prefill": {},
+        "decode": {},
     }
     for length in args.prefill:
         print(f"prefill {length} ...", flush=True)
@@ -121,14 +130,24 @@ def main(args) -> int:
         report["prefill"][str(length)] = {"tok_s": length / secs, "limit_tok_s": rate * 1e12 / flops}
     print(f"decode {args.decode} steps ...", flush=True)
     step = time_decode(model, args.decode)
-    report["decode"] = {"tok_s": 1 / step, "ms_per_token": step * 1e3, "limit_tok_s": bandwidth * 1e9 / wbytes}
+    report["decode"] = {
+        "tok_s": 1 / step,
+        "ms_per_token": step * 1e3,
+        "limit_tok_s": bandwidth * 1e9 / wbytes,
+    }
 
-    print(f"\nmachine: {bandwidth:.1f} GB/s read, {rate:.3f} TFLOP/s {report['dtype']} matmul, "
-          f"{report['threads']} threads, {device}")
-    print(f"model: {wbytes / 1e9:.3f} GB weights read per decode token, {flops / 1e9:.2f} GFLOP per prefill token")
+    print(
+        f"\nmachine: {bandwidth:.1f} GB/s read, {rate:.3f} TFLOP/s {report['dtype']} matmul, "
+        f"{report['threads']} threads, {device}"
+    )
+    print(
+        f"model: {wbytes / 1e9:.3f} GB weights read per decode token, {flops / 1e9:.2f} GFLOP per prefill token"
+    )
     print(f"{'phase':<14}{'tok/s':>10}{'limit':>10}{'of limit':>10}")
     for length, r in report["prefill"].items():
-        print(f"{'prefill ' + length:<14}{r['tok_s']:>10.1f}{r['limit_tok_s']:>10.1f}{r['tok_s'] / r['limit_tok_s']:>10.0%}")
+        print(
+            f"{'prefill ' + length:<14}{r['tok_s']:>10.1f}{r['limit_tok_s']:>10.1f}{r['tok_s'] / r['limit_tok_s']:>10.0%}"
+        )
     d = report["decode"]
     print(f"{'decode':<14}{d['tok_s']:>10.1f}{d['limit_tok_s']:>10.1f}{d['tok_s'] / d['limit_tok_s']:>10.0%}")
     if args.json:

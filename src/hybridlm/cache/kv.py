@@ -60,7 +60,9 @@ class RowsSnapshot(Snapshot):
         """Rows of positions [lo, hi) (views; callers copy)."""
         if self.lazy:
             return self.owner.rows(lo, hi)
-        return self.k[:, :, lo - self.rows_start : hi - self.rows_start], self.v[:, :, lo - self.rows_start : hi - self.rows_start]
+        return self.k[:, :, lo - self.rows_start : hi - self.rows_start], self.v[
+            :, :, lo - self.rows_start : hi - self.rows_start
+        ]
 
     def materialize(self) -> None:
         """Copy the rows out of the owner's buffer."""
@@ -104,13 +106,15 @@ class KVCache(LayerCache):
 
     def rows(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         i, j = lo - self.start_pos, hi - self.start_pos
+        if lo >= hi and self.k is not None:  # no rows: wherever they would be
+            i = j = 0
         if i < 0 or j > self.capacity:
             raise IndexError(f"rows [{lo}, {hi}) are not held (buffer holds from {self.start_pos})")
         return self.k[:, :, i:j], self.v[:, :, i:j]
 
     def _copy_out_lazy(self, lo: int, hi: int) -> None:
         """Lazy snapshots whose rows intersect [lo, hi) copy out before those rows change."""
-        for snap in [s for s in self._lazy if s.rows_start < hi and lo < s.end]:
+        for snap in [s for s in self._lazy if max(s.rows_start, lo) < min(s.end, hi)]:
             snap.materialize()
 
     def _make_room(self, lo: int, hi: int) -> None:
@@ -170,7 +174,8 @@ class KVCache(LayerCache):
             self._capture_from = o
 
     def _lazy_snapshot(self, start: int, end: int) -> RowsSnapshot:
-        rows_start = max(start, self.start_pos)
+        # Rows before `valid_from` are not on this path (a restore from a snapshot alone): never name them.
+        rows_start = min(end, max(start, self.start_pos, self.valid_from))
         snap = RowsSnapshot(start, end, rows_start, self.window, owner=self)
         self._lazy.append(snap)
         return snap
@@ -184,13 +189,15 @@ class KVCache(LayerCache):
 
     def _holds(self, lo: int, hi: int) -> bool:
         """True when the live buffer holds valid rows for positions [lo, hi)."""
-        return hi <= self.offset and lo >= max(self.start_pos, self.valid_from)
+        return hi <= self.offset and (lo >= hi or lo >= max(self.start_pos, self.valid_from))
 
     def restore(self, snap: RowsSnapshot | None, target: int) -> bool:
         if snap is None:
             low = 0 if self.window is None else max(0, target - self.window + 1)
             if not 0 <= target <= self.offset or not self._holds(low, target):
                 return False
+            # (an empty window lets a rewind reach below valid_from: what follows is written anew)
+            self.valid_from = min(self.valid_from, target)
             self.offsets = [target] * self.batch_size
             self._clear_schedule_after_restore()
             return True
@@ -225,12 +232,20 @@ class KVCache(LayerCache):
         else:
             cut = max(0, at - snap.rows_start)
             left = RowsSnapshot(
-                snap.start, at, min(snap.rows_start, at), snap.window,
-                k=snap.k[:, :, :cut].clone(), v=snap.v[:, :, :cut].clone(),
+                snap.start,
+                at,
+                min(snap.rows_start, at),
+                snap.window,
+                k=snap.k[:, :, :cut].clone(),
+                v=snap.v[:, :, :cut].clone(),
             )
             right = RowsSnapshot(
-                at, snap.end, max(snap.rows_start, at), snap.window,
-                k=snap.k[:, :, cut:].clone(), v=snap.v[:, :, cut:].clone(),
+                at,
+                snap.end,
+                max(snap.rows_start, at),
+                snap.window,
+                k=snap.k[:, :, cut:].clone(),
+                v=snap.v[:, :, cut:].clone(),
             )
         left.on_grow = right.on_grow = snap.on_grow
         snap.free()
@@ -241,23 +256,30 @@ class KVCache(LayerCache):
         child._check_open()
         if parent.end != child.start:
             raise ValueError(f"cannot merge [{parent.start}, {parent.end}) with [{child.start}, {child.end})")
-        if child.rows_start > child.start:
-            # The child was compacted: the parent's rows add nothing it can use.
+        if child.rows_start > child.start or parent.rows_start == parent.end:
+            # The child was compacted (or the parent holds no rows): the parent's rows add nothing.
             parent.free()
             merged = RowsSnapshot(parent.start, child.end, child.rows_start, child.window)
             merged.owner, merged.k, merged.v = child.owner, child.k, child.v
             if child.lazy:
                 child.owner._lazy.append(merged)
         elif parent.lazy and child.lazy and parent.owner is child.owner:
-            merged = RowsSnapshot(parent.start, child.end, parent.rows_start, parent.window, owner=parent.owner)
+            merged = RowsSnapshot(
+                parent.start, child.end, parent.rows_start, parent.window, owner=parent.owner
+            )
             parent.owner._lazy.append(merged)
             parent.free()
         else:
-            parent.materialize()
-            child.materialize()
+            # torch.cat copies: no need to materialize (and report growth of) snapshots being consumed.
+            pk, pv = parent.rows(parent.rows_start, parent.end)
+            ck, cv = child.rows(child.rows_start, child.end)
             merged = RowsSnapshot(
-                parent.start, child.end, parent.rows_start, parent.window,
-                k=torch.cat([parent.k, child.k], dim=2), v=torch.cat([parent.v, child.v], dim=2),
+                parent.start,
+                child.end,
+                parent.rows_start,
+                parent.window,
+                k=torch.cat([pk, ck], dim=2),
+                v=torch.cat([pv, cv], dim=2),
             )
             parent.free()
         merged.on_grow = parent.on_grow or child.on_grow
@@ -265,8 +287,9 @@ class KVCache(LayerCache):
         return merged
 
     def free(self) -> None:
-        for snap in list(self._lazy):
-            snap.materialize()
+        if self.k is not None:  # without a buffer, lazy snapshots name no rows: nothing to copy out
+            for snap in list(self._lazy):
+                snap.materialize()
         self.k = self.v = None
         self.offsets = [0] * self.batch_size
         self.start_pos = self.valid_from = 0
@@ -293,9 +316,19 @@ class SlidingKVCache(KVCache):
         return out
 
     def _make_room(self, lo: int, hi: int) -> None:
+        if lo < self.start_pos:
+            # Writing below the buffer (a restore whose snapshot alone supplies the window, or a rewind
+            # whose window is empty) needs none of the held rows: restart the buffer at `lo` (lazy
+            # snapshots copy out first).
+            self._copy_out_lazy(self.start_pos, self.start_pos + self.capacity)
+            self.start_pos = lo
+            return
         if hi - self.start_pos <= self.capacity:
             return
         new_start = max(self.start_pos, lo - self.window + 1)
+        if self._scheduled:
+            # Range captures still to come span [capture_from, o): keep their rows in the buffer.
+            new_start = min(new_start, max(self.start_pos, self._capture_from))
         if new_start == self.start_pos:
             return
         self._copy_out_lazy(self.start_pos, new_start)

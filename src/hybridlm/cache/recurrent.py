@@ -132,7 +132,7 @@ class ScanCache(LayerCache):
             for o, (tail, st) in zip(self._crossed(old[0], self.offset), boundary, strict=True):
                 inputs_, gates_ = self._log_slice(self._capture_from, o)
                 snap = ScanSnapshot(self._capture_from, o, inputs_, gates_, compact(tail), compact(st))
-                if snap.tail is conv_tail or snap.state is state:
+                if snap.tail is conv_tail or (state is not None and snap.state is state):
                     snap.tail, snap.state = tail.clone(), None if st is None else st.clone()
                 self._captures.append(snap)
                 self._capture_from = o
@@ -190,7 +190,9 @@ class ScanCache(LayerCache):
                 n = target - snap.start
                 if n:
                     gates = None if snap.gates is None else snap.gates[:, :n]
-                    self.conv_tail, self.state = self.replay(self.conv_tail, self.state, snap.inputs[:, :n], gates)
+                    self.conv_tail, self.state = self.replay(
+                        self.conv_tail, self.state, snap.inputs[:, :n], gates
+                    )
             else:
                 return False
         self.offsets = [target] * self.batch_size
@@ -205,9 +207,12 @@ class ScanCache(LayerCache):
         i = at - snap.start
         cut = lambda t, lo, hi: None if t is None else t[:, lo:hi].clone()
         left = ScanSnapshot(snap.start, at, cut(snap.inputs, 0, i), cut(snap.gates, 0, i))
-        right = ScanSnapshot(at, snap.end, cut(snap.inputs, i, None), cut(snap.gates, i, None), snap.tail, snap.state)
-        if at == snap.end:
-            left.tail, left.state = snap.tail, snap.state
+        right = ScanSnapshot(
+            at, snap.end, cut(snap.inputs, i, None), cut(snap.gates, i, None), snap.tail, snap.state
+        )
+        if at == snap.end and snap.has_checkpoint:
+            # Both halves end at `end`: each owns its own copy of the checkpoint (never one tensor twice).
+            left.tail, left.state = snap.tail.clone(), None if snap.state is None else snap.state.clone()
         left.on_grow = right.on_grow = snap.on_grow
         snap.inputs = snap.gates = snap.tail = snap.state = None
         snap.free()
@@ -242,7 +247,9 @@ class RecurrentCache(ScanCache):
     """Gated DeltaNet layer cache: conv tail [B, K-1, conv_dim] in the activation dtype and delta
     state [B, H, Dk, Dv] in float32."""
 
-    def __init__(self, batch_size, conv_dim, kernel, heads, k_dim, v_dim, replay: ReplayFn, dtype, device=None):
+    def __init__(
+        self, batch_size, conv_dim, kernel, heads, k_dim, v_dim, replay: ReplayFn, dtype, device=None
+    ):
         tail = torch.zeros(batch_size, kernel - 1, conv_dim, dtype=dtype, device=device)
         state = torch.zeros(batch_size, heads, k_dim, v_dim, dtype=torch.float32, device=device)
         super().__init__(tail, state, replay)

@@ -86,8 +86,14 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         hist = cache.update(batch, k, v)
         o = attention(
-            q, hist.keys, hist.values, batch,
-            key_start=hist.key_start, scale=self.scale, window=hist.window, softcap=self.softcap,
+            q,
+            hist.keys,
+            hist.values,
+            batch,
+            key_start=hist.key_start,
+            scale=self.scale,
+            window=hist.window,
+            softcap=self.softcap,
         )
         o = o.transpose(1, 2).reshape(b, length, -1)
         if gate is not None:
@@ -134,7 +140,15 @@ class GatedDeltaNet(nn.Module):
 
     def make_cache(self, batch_size: int, dtype, device):
         return RecurrentCache(
-            batch_size, self.conv_dim, self.kernel, self.v_heads, self.k_dim, self.v_dim, self.replay, dtype, device
+            batch_size,
+            self.conv_dim,
+            self.kernel,
+            self.v_heads,
+            self.k_dim,
+            self.v_dim,
+            self.replay,
+            dtype,
+            device,
         )
 
     def mix(self, qkv, ab, conv_tail, state, query_lens=None, splits=()):
@@ -145,7 +159,9 @@ class GatedDeltaNet(nn.Module):
         """
         b, length, _ = qkv.shape
         conv_w = self.conv1d.weight.squeeze(1)
-        x, tail, tails = causal_conv1d(qkv, conv_w, None, conv_tail, activation="silu", query_lens=query_lens, splits=splits)
+        x, tail, tails = causal_conv1d(
+            qkv, conv_w, None, conv_tail, activation="silu", query_lens=query_lens, splits=splits
+        )
         q, k, v = torch.split(x, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = l2_normalize(q.reshape(b, length, self.k_heads, self.k_dim).float())
         k = l2_normalize(k.reshape(b, length, self.k_heads, self.k_dim).float())
@@ -173,7 +189,14 @@ class GatedDeltaNet(nn.Module):
         hist = cache.get(batch)
         lens = batch.query_lens if batch.padded else None
         o, tail, state, boundary = self.mix(qkv, ab, hist.conv_tail, hist.state, lens, hist.splits)
-        cache.put(batch, tail, state, boundary, inputs=qkv if hist.record else None, gates=ab if hist.record else None)
+        cache.put(
+            batch,
+            tail,
+            state,
+            boundary,
+            inputs=qkv if hist.record else None,
+            gates=ab if hist.record else None,
+        )
         z = self.in_proj_z(x).view(b, length, self.v_heads, self.v_dim)
         o = self.norm(o.to(x.dtype), z)
         return self.out_proj(o.reshape(b, length, self.value_dim))
@@ -183,7 +206,15 @@ class DecoderLayer(nn.Module):
     """Pre-norm block: h + mixer(norm(h)), then h + mlp(norm(h)). `mixer_name` is the checkpoint's
     attribute name for the token mixer (self_attn, linear_attn, conv...)."""
 
-    def __init__(self, mixer_name: str, mixer: nn.Module, mlp: nn.Module, norm: type[nn.Module], hidden: int, eps: float):
+    def __init__(
+        self,
+        mixer_name: str,
+        mixer: nn.Module,
+        mlp: nn.Module,
+        norm: type[nn.Module],
+        hidden: int,
+        eps: float,
+    ):
         super().__init__()
         self.mixer_name = mixer_name
         setattr(self, mixer_name, mixer)

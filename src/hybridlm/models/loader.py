@@ -51,7 +51,9 @@ def family_for(config: dict, root: Path) -> type[CausalLM]:
     model_type = config.get("model_type")
     if model_type not in FAMILIES:
         known = ", ".join(sorted(FAMILIES))
-        raise CheckpointError(f"{root / 'config.json'}: unsupported model_type {model_type!r} (supported: {known})")
+        raise CheckpointError(
+            f"{root / 'config.json'}: unsupported model_type {model_type!r} (supported: {known})"
+        )
     return FAMILIES[model_type]
 
 
@@ -97,10 +99,14 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None, device=None) 
     unexpected = sorted(set(state) - set(expected))
     if unexpected:
         name = unexpected[0]
-        raise CheckpointError(f"{source.get(name, root)}: unexpected tensor {name!r} ({len(unexpected)} in all)")
+        raise CheckpointError(
+            f"{source.get(name, root)}: unexpected tensor {name!r} ({len(unexpected)} in all)"
+        )
     missing = sorted(set(expected) - set(state))
     if missing:
-        raise CheckpointError(f"{root}: missing tensor {missing[0]!r} ({len(missing)} missing: {missing[:5]})")
+        raise CheckpointError(
+            f"{root}: missing tensor {missing[0]!r} ({len(missing)} missing: {missing[:5]})"
+        )
     for name, shape in expected.items():
         if tuple(state[name].shape) != tuple(shape):
             where = source.get(name, root)

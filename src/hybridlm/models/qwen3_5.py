@@ -14,15 +14,27 @@ from hybridlm.ops.rope import Rotary, inv_freq_from_params
 
 def gdn_mixer(c: Config) -> GatedDeltaNet:
     return GatedDeltaNet(
-        c.hidden_size, c.linear_num_key_heads, c.linear_num_value_heads,
-        c.linear_key_head_dim, c.linear_value_head_dim, c.linear_conv_kernel_dim, c.rms_norm_eps,
+        c.hidden_size,
+        c.linear_num_key_heads,
+        c.linear_num_value_heads,
+        c.linear_key_head_dim,
+        c.linear_value_head_dim,
+        c.linear_conv_kernel_dim,
+        c.rms_norm_eps,
     )
 
 
 def gated_attention(c: Config, rotary: Rotary) -> Attention:
     return Attention(
-        c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, rotary,
-        bias=c.get("attention_bias", False), qk_norm=OffsetRMSNorm, eps=c.rms_norm_eps, gated=True,
+        c.hidden_size,
+        c.num_attention_heads,
+        c.num_key_value_heads,
+        c.head_dim,
+        rotary,
+        bias=c.get("attention_bias", False),
+        qk_norm=OffsetRMSNorm,
+        eps=c.rms_norm_eps,
+        gated=True,
     )
 
 
@@ -30,7 +42,10 @@ def layer_types(c: Config) -> list[str]:
     if c.get("layer_types"):
         return list(c.layer_types)
     interval = c.get("full_attention_interval", 4)
-    return ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(c.num_hidden_layers)]
+    return [
+        "full_attention" if (i + 1) % interval == 0 else "linear_attention"
+        for i in range(c.num_hidden_layers)
+    ]
 
 
 @register("qwen3_5_text", "qwen3_5")
@@ -51,7 +66,9 @@ class Qwen3_5(CausalLM):
             else:
                 mixer_name, mixer = "self_attn", gated_attention(c, rotary)
             mlp = self.mlp(c)
-            self.model.layers.append(DecoderLayer(mixer_name, mixer, mlp, OffsetRMSNorm, c.hidden_size, c.rms_norm_eps))
+            self.model.layers.append(
+                DecoderLayer(mixer_name, mixer, mlp, OffsetRMSNorm, c.hidden_size, c.rms_norm_eps)
+            )
         self.model.norm = OffsetRMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         self.lm_head = Linear(c.hidden_size, c.vocab_size, bias=False)
 

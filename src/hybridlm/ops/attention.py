@@ -57,7 +57,9 @@ def attention(
     if softcap is None:
         gqa = q.shape[1] != k.shape[1]
         if mask is None or isinstance(mask, str):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=mask == "causal", scale=scale, enable_gqa=gqa)
+            return F.scaled_dot_product_attention(
+                q, k, v, is_causal=mask == "causal", scale=scale, enable_gqa=gqa
+            )
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
     rep = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(rep, dim=1)
