@@ -5,6 +5,7 @@ from hybridlm.models import (
     gemma3,  # noqa: F401 - registers its model types
     lfm2,  # noqa: F401 - registers its model types
     qwen3_5,  # noqa: F401 - registers its model types
+    qwen3_next,  # noqa: F401 - registers its model types
 )
 from hybridlm.models.base import FAMILIES, CausalLM, Config
 from hybridlm.models.loader import CheckpointError, load_model

@@ -175,6 +175,7 @@ class GatedDeltaNet(nn.Module):
         o, state, states = gated_delta_rule(q, k, v, g, beta, state, query_lens=query_lens, splits=splits)
         return o, tail, state, list(zip(tails, states, strict=True))
 
+    @torch.no_grad()
     def replay(self, conv_tail, state, qkv, ab):
         _, tail, state, _ = self.mix(qkv, ab, conv_tail, state)
         return tail, state

@@ -60,19 +60,20 @@ class Qwen3_5(CausalLM):
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
         self.model.layers = nn.ModuleList()
-        for kind in layer_types(c):
+        for i, kind in enumerate(layer_types(c)):
             if kind == "linear_attention":
                 mixer_name, mixer = "linear_attn", gdn_mixer(c)
             else:
                 mixer_name, mixer = "self_attn", gated_attention(c, rotary)
-            mlp = self.mlp(c)
+            mlp = self.mlp(c, i)
             self.model.layers.append(
                 DecoderLayer(mixer_name, mixer, mlp, OffsetRMSNorm, c.hidden_size, c.rms_norm_eps)
             )
         self.model.norm = OffsetRMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         self.lm_head = Linear(c.hidden_size, c.vocab_size, bias=False)
 
-    def mlp(self, c: Config) -> nn.Module:
+    def mlp(self, c: Config, index: int) -> nn.Module:
+        """The feed-forward block of layer `index`."""
         return GatedMLP(c.hidden_size, c.intermediate_size, c.get("hidden_act", "silu"))
 
     @classmethod
