@@ -41,6 +41,11 @@ class Snapshot(ABC):
         """True when `restore` can bring a cache to `target` from this snapshot alone or from the
         cache sitting at `start` (the trie restores parents first)."""
 
+    @abstractmethod
+    def standalone(self, target: int) -> bool:
+        """True when `restore(self, target)` yields the right state whatever the cache holds
+        (no rows or state before `start` needed)."""
+
     def free(self) -> None:
         if self.closed:
             raise RuntimeError("snapshot freed twice")
@@ -114,6 +119,10 @@ class LayerCache(ABC):
         """Capture `[start, offset)`."""
 
     @abstractmethod
+    def can_rewind(self, target: int) -> bool:
+        """True when `restore(None, target)` would succeed (a dry run: changes nothing)."""
+
+    @abstractmethod
     def restore(self, snap: Snapshot | None, target: int) -> bool:
         """Bring the cache to `target` using `snap` (None: rewind the live state). Returns False
         and changes nothing when `target` is unreachable."""
@@ -125,6 +134,11 @@ class LayerCache(ABC):
     @abstractmethod
     def merge(self, parent: Snapshot, child: Snapshot) -> Snapshot:
         """Join adjacent snapshots into `[parent.start, child.end)`; takes ownership of both."""
+
+    def compact(self, snap: Snapshot) -> Snapshot:
+        """A cheaper form of `snap` that still restores to its end (a point checkpoint); takes
+        ownership of `snap`. Kinds with nothing to drop return it unchanged."""
+        return snap
 
     @abstractmethod
     def free(self) -> None:

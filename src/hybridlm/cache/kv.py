@@ -56,6 +56,9 @@ class RowsSnapshot(Snapshot):
             return False
         return self.rows_start == self.start or self.window_low(target) >= self.rows_start
 
+    def standalone(self, target: int) -> bool:
+        return self.reaches(target) and self.window_low(target) >= self.rows_start
+
     def rows(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows of positions [lo, hi) (views; callers copy)."""
         if self.lazy:
@@ -191,10 +194,13 @@ class KVCache(LayerCache):
         """True when the live buffer holds valid rows for positions [lo, hi)."""
         return hi <= self.offset and (lo >= hi or lo >= max(self.start_pos, self.valid_from))
 
+    def can_rewind(self, target: int) -> bool:
+        low = 0 if self.window is None else max(0, target - self.window + 1)
+        return 0 <= target <= self.offset and self._holds(low, target)
+
     def restore(self, snap: RowsSnapshot | None, target: int) -> bool:
         if snap is None:
-            low = 0 if self.window is None else max(0, target - self.window + 1)
-            if not 0 <= target <= self.offset or not self._holds(low, target):
+            if not self.can_rewind(target):
                 return False
             # (an empty window lets a rewind reach below valid_from: what follows is written anew)
             self.valid_from = min(self.valid_from, target)

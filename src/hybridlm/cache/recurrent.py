@@ -75,6 +75,9 @@ class ScanSnapshot(Snapshot):
             return True
         return self.has_log and self.start <= target <= self.end
 
+    def standalone(self, target: int) -> bool:
+        return target == self.end and self.has_checkpoint
+
     def _release(self) -> None:
         self.inputs = self.gates = self.tail = self.state = None
 
@@ -175,9 +178,12 @@ class ScanCache(LayerCache):
         self._reset_log()
         return snap
 
+    def can_rewind(self, target: int) -> bool:
+        return target == self.offset
+
     def restore(self, snap: ScanSnapshot | None, target: int) -> bool:
         if snap is None:
-            if target != self.offset:
+            if not self.can_rewind(target):
                 return False
         else:
             snap._check_open()
@@ -234,6 +240,13 @@ class ScanCache(LayerCache):
         parent.free()
         child.free()
         return merged
+
+    def compact(self, snap: ScanSnapshot) -> ScanSnapshot:
+        """Drop the input log of a snapshot that has a checkpoint (it then restores only to its
+        end); a log without a checkpoint is kept, since nothing else reaches past its start."""
+        if snap.has_checkpoint:
+            snap.inputs = snap.gates = None
+        return snap
 
     def free(self) -> None:
         self.conv_tail = torch.zeros_like(self.conv_tail)

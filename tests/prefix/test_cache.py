@@ -1,0 +1,211 @@
+"""The prefix cache against a brute-force oracle (best possible reuse over every sequence ever
+stored) and against recomputation from scratch (logits after any restore)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from hybridlm.batch import Batch
+from hybridlm.models import load_model
+from hybridlm.prefix.cache import CapturePlan, PrefixCache, common_prefix
+
+KINDS = ["qwen3_5_text", "lfm2", "gemma3_text", "dense_llama"]
+
+
+class Oracle:
+    """Every token sequence whose state was ever stored; best reuse = longest common prefix."""
+
+    def __init__(self):
+        self.stored: list[list[int]] = []
+
+    def best(self, prompt: list[int]) -> int:
+        keep = len(prompt) - 1
+        return min(keep, max((common_prefix(s, prompt) for s in self.stored), default=0))
+
+
+def full_logits_last(model, ids):
+    return model(Batch.single(ids), model.make_caches(1))[0]
+
+
+def serve(pc: PrefixCache, model, prompt: list[int], generate: int, oracle: Oracle | None = None, cancel_at=None):
+    """One request: restore, prefill the rest (chunks of 16), greedy-generate; returns the session
+    and the logits at the prompt's last token."""
+    session = pc.begin(prompt)
+    rest = session.remaining
+    logits = None
+    for i in range(0, len(rest), 16):
+        piece = rest[i : i + 16]
+        if cancel_at is not None and session.offset + len(piece) > cancel_at:
+            session.close()
+            if oracle is not None:
+                oracle.stored.append(list(session.fed))
+            return session, None
+        logits = model(Batch.single(piece, offset=session.offset), pc.caches)
+        session.advance(piece)
+    first = logits[0]
+    for _ in range(max(generate - 1, 0)):
+        token = int(logits.argmax(-1)[0])
+        logits = model(Batch.single([token], offset=session.offset), pc.caches)
+        session.advance([token])
+    session.close()
+    if oracle is not None:
+        oracle.stored.append(list(session.fed))
+    return session, first
+
+
+def tokens(rng, n):
+    return [rng.randrange(1, 500) for _ in range(n)]
+
+
+def scenario(rng):
+    """Multi-turn, rewritten tail, regenerate, edit of an earlier message, shared system prompt,
+    interleaved conversations: prompts as the engine would see them."""
+    system = tokens(rng, 40)
+    a1 = system + tokens(rng, 25)
+    yield a1
+    yield a1  # regenerate
+    a2 = a1 + tokens(rng, 6) + tokens(rng, 20)
+    yield a2  # next turn (the previous answer is not exactly what was generated)
+    yield a2[:-12] + tokens(rng, 15)  # history rewritten near the end
+    b1 = system + tokens(rng, 30)
+    yield b1  # another conversation sharing the system prompt
+    yield a1[:23] + tokens(rng, 30)  # edit inside an old prompt (divergence mid-edge)
+    yield a2 + tokens(rng, 10)
+    yield b1 + tokens(rng, 12)
+
+
+@pytest.mark.parametrize("name", KINDS)
+def test_reuse_equals_oracle_and_logits_equal_recompute(checkpoints, name):
+    model = load_model(checkpoints(name).path, dtype=torch.float32, device="cpu")
+    pc = PrefixCache(model, plan=CapturePlan(cadence=16, tail=(1, 4)))
+    oracle = Oracle()
+    rng = random.Random(7)
+    for prompt in scenario(rng):
+        best = oracle.best(prompt)
+        session, first = serve(pc, model, prompt, generate=5, oracle=oracle)
+        assert session.cached == best, f"reused {session.cached}, oracle {best}"
+        expected = full_logits_last(model, prompt)
+        scale = expected.abs().max().item()
+        assert (first - expected).abs().max().item() <= 2e-5 * scale
+
+
+@pytest.mark.parametrize("name", ["qwen3_5_text"])
+def test_cancelled_prefill_keeps_what_it_computed(checkpoints, name):
+    model = load_model(checkpoints(name).path, dtype=torch.float32, device="cpu")
+    pc = PrefixCache(model, plan=CapturePlan(cadence=16, tail=(1,)))
+    oracle = Oracle()
+    prompt = tokens(random.Random(3), 90)
+    session, _ = serve(pc, model, prompt, generate=3, oracle=oracle, cancel_at=50)
+    assert 0 < session.offset <= 50
+    retry, first = serve(pc, model, prompt, generate=3, oracle=oracle)
+    assert retry.cached == session.offset
+    expected = full_logits_last(model, prompt)
+    assert (first - expected).abs().max().item() <= 2e-5 * expected.abs().max().item()
+
+
+def test_replay_restores_mid_edge_for_recurrent_layers(checkpoints):
+    """A divergence inside a long edge (no checkpoint near it) is recovered by scan replay."""
+    model = load_model(checkpoints("qwen3_5_text").path, dtype=torch.float32, device="cpu")
+    pc = PrefixCache(model, plan=CapturePlan(cadence=1000, tail=()))
+    rng = random.Random(5)
+    base = tokens(rng, 70)
+    serve(pc, model, base, generate=1)
+    edited = base[:37] + tokens(rng, 10)
+    session, first = serve(pc, model, edited, generate=1)
+    assert session.cached == 37 and session.replayed == 37
+    expected = full_logits_last(model, edited)
+    assert (first - expected).abs().max().item() <= 2e-5 * expected.abs().max().item()
+
+
+def test_budget_holds_after_every_request(checkpoints):
+    model = load_model(checkpoints("qwen3_5_text").path, dtype=torch.float32, device="cpu")
+    budget = 400_000
+    pc = PrefixCache(model, ram_budget=budget, plan=CapturePlan(cadence=16, tail=(1,)))
+    rng = random.Random(9)
+    for prompt in list(scenario(rng)) * 2:
+        serve(pc, model, prompt, generate=4)
+        assert pc.nbytes <= budget
+    assert pc.stats.evicted_nodes + pc.stats.compacted_snapshots > 0
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from tests.oracles.qwen3_5 import text
+
+    ckpt = text(tmp_path_factory.mktemp("tiny") / "m")
+    return load_model(ckpt.path, dtype=torch.float32, device="cpu")
+
+
+class PrefixMachine(RuleBasedStateMachine):
+    """Random begin / prefill / generate / cancel / budget sequences against the oracle."""
+
+    model = None
+
+    def __init__(self):
+        super().__init__()
+        self.pc = PrefixCache(self.model, ram_budget=None, plan=CapturePlan(cadence=8, tail=(1, 3)))
+        self.oracle = Oracle()
+        self.rng = random.Random(0)
+        self.prompts: list[list[int]] = []
+
+    def _prompt(self, base_index, cut, extra):
+        if self.prompts and base_index is not None:
+            base = self.prompts[base_index % len(self.prompts)]
+            return base[: min(cut, len(base))] + [self.rng.randrange(1, 40) for _ in range(extra)]
+        return [self.rng.randrange(1, 40) for _ in range(extra + 1)]
+
+    @rule(
+        base=st.one_of(st.none(), st.integers(0, 50)),
+        cut=st.integers(0, 40),
+        extra=st.integers(1, 12),
+        gen=st.integers(0, 4),
+    )
+    def request(self, base, cut, extra, gen):
+        prompt = self._prompt(base, cut, extra)
+        best = self.oracle.best(prompt)
+        session, _ = serve(self.pc, self.model, prompt, gen, self.oracle)
+        assert session.cached <= best
+        if self.pc.ram_budget is None:
+            assert session.cached == best
+        self.prompts.append(prompt)
+
+    @rule(base=st.integers(0, 50), extra=st.integers(2, 30), at=st.integers(1, 20))
+    def cancelled(self, base, extra, at):
+        prompt = self._prompt(base, 40, extra)
+        session, _ = serve(self.pc, self.model, prompt, 0, self.oracle, cancel_at=self.oracle.best(prompt) + at)
+        self.prompts.append(prompt)
+
+    @precondition(lambda self: self.pc.node_count > 2)
+    @rule(fraction=st.floats(0.1, 0.9))
+    def squeeze_budget(self, fraction):
+        self.pc.ram_budget = int(self.pc.nbytes * fraction)
+        self.pc.enforce_budget()
+
+    @invariant()
+    def structure(self):
+        pc = self.pc
+        offsets = {pc.caches[i].offset for i in pc.layers}
+        assert offsets == {len(pc.live)}
+        for node in pc.trie.nodes():
+            assert node.tokens and node.parent.children[node.tokens[0]] is node
+            assert node.start == node.parent.end
+            for snap in node.snaps:
+                if snap is not None:
+                    assert not snap.closed and (snap.start, snap.end) == (node.start, node.end)
+        if pc.ram_budget is not None:
+            assert pc.nbytes <= pc.ram_budget or pc.node_count == len(pc.live_path())
+
+
+def test_prefix_cache_state_machine(tiny_model):
+    PrefixMachine.model = tiny_model
+    run = PrefixMachine.TestCase
+    run.settings = settings(
+        max_examples=15, stateful_step_count=12, deadline=None, suppress_health_check=list(HealthCheck)
+    )
+    run().runTest()
