@@ -33,7 +33,7 @@ def full_logits_last(model, ids):
     return model(Batch.single(ids), model.make_caches(1))[0]
 
 
-def serve(pc: PrefixCache, model, prompt: list[int], generate: int, oracle: Oracle | None = None, cancel_at=None):
+def serve(pc: PrefixCache, model, prompt: list[int], generate: int, oracle=None, cancel_at=None):
     """One request: restore, prefill the rest (chunks of 16), greedy-generate; returns the session
     and the logits at the prompt's last token."""
     session = pc.begin(prompt)
@@ -178,7 +178,8 @@ class PrefixMachine(RuleBasedStateMachine):
     @rule(base=st.integers(0, 50), extra=st.integers(2, 30), at=st.integers(1, 20))
     def cancelled(self, base, extra, at):
         prompt = self._prompt(base, 40, extra)
-        session, _ = serve(self.pc, self.model, prompt, 0, self.oracle, cancel_at=self.oracle.best(prompt) + at)
+        cancel_at = self.oracle.best(prompt) + at
+        serve(self.pc, self.model, prompt, 0, self.oracle, cancel_at=cancel_at)
         self.prompts.append(prompt)
 
     @precondition(lambda self: self.pc.node_count > 2)

@@ -154,7 +154,8 @@ class PrefixCache:
         for node in path:
             if node.start < target:
                 node.touch(now)
-        session = Session(self, list(tokens), target, replayed, (time.perf_counter() - t0) * 1e3, list(self.live))
+        restore_ms = (time.perf_counter() - t0) * 1e3
+        session = Session(self, list(tokens), target, replayed, restore_ms, list(self.live))
         self._session = session
         offsets = self.plan.offsets(target, len(tokens))
         for i in self.layers:
@@ -220,14 +221,16 @@ class PrefixCache:
     def _close(self, session: Session) -> None:
         caches = self.caches
         end = session.offset
+        # Every stateful layer was scheduled the same offsets, so their captures share bounds.
         captures = {i: caches[i].take_snapshots() for i in self.layers}
-        bounds = [session.cached] + [s.end for s in captures[self.layers[0]]] if self.layers else [session.cached]
-        pieces: list[list[Snapshot | None]] = []
-        for k in range(len(bounds) - 1):
-            pieces.append([captures[i][k] if i in captures else None for i in range(len(caches))])
-        last = bounds[-1]
-        if end > last:
-            pieces.append([caches[i].snapshot(last) if caches[i] is not None else None for i in range(len(caches))])
+        bounds = [session.cached] + [s.end for s in captures.get(self.layers[0], [])] if self.layers else []
+        pieces = [
+            [captures[i][k] if i in captures else None for i in range(len(caches))]
+            for k in range(len(bounds) - 1)
+        ]
+        if self.layers and end > bounds[-1]:
+            last = bounds[-1]
+            pieces.append([c.snapshot(last) if c is not None else None for c in caches])
             bounds.append(end)
         self.live = list(session.fed)
         self._insert(session.fed, bounds, pieces)

@@ -1,0 +1,94 @@
+"""Depthwise causal 1-D convolution with a carried input tail (Gated DeltaNet's qkv conv, LFM2's
+short conv).
+
+The layer's state is the last ``K-1`` inputs (the tail); prepending it to a new block of inputs makes
+the convolution of the block equal to the convolution of the whole sequence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def causal_conv1d(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    prior: Tensor,
+    *,
+    activation: str | None = None,
+    query_lens: Tensor | Sequence[int] | None = None,
+    splits: Sequence[int] = (),
+) -> tuple[Tensor, Tensor, list[Tensor]]:
+    """Convolve ``x`` causally, continuing from the inputs in ``prior``.
+
+    ``out[b, t, c] = act(bias[c] + Σ_j weight[c, j] · xp[b, t + j, c])`` with
+    ``xp = cat(prior, x)`` along time: transformers' ``F.conv1d(..., padding=K-1, groups=C)[..., :L]``
+    when ``prior`` is zero, and its ``causal_conv1d_update`` with a conv state otherwise. As there,
+    the inputs are cast to the weight's dtype and the result back to x's dtype.
+
+    Args:
+        x: ``[B, L, C]`` inputs.
+        weight: ``[C, K]`` depthwise kernel; ``bias``: ``[C]`` or None.
+        prior: ``[B, K-1, C]`` the last ``K-1`` inputs before ``x`` (zeros at the sequence start).
+        activation: None or ``"silu"``.
+        query_lens: real tokens per row (``[B]`` int tensor or ints, each ≤ L) of a right-padded
+            batch; padded inputs never enter a tail (their outputs are computed but meaningless).
+        splits: sorted token counts in ``[0, L]``, the same for every row, at which to report tails.
+
+    Returns:
+        ``(out, tail, boundary_tails)``: ``out`` ``[B, L, C]`` in x's dtype; ``tail`` ``[B, K-1, C]``
+        the last ``K-1`` rows of ``cat(prior, x[b, :query_lens[b]])``; ``boundary_tails[i]`` the
+        tail after ``splits[i]`` tokens. Tails are compact tensors in x's dtype, never views of x.
+    """
+    B, L, C = x.shape
+    K = weight.shape[-1]
+    if weight.shape != (C, K) or prior.shape != (B, K - 1, C):
+        raise ValueError(f"expected weight {(C, K)} and prior {(B, K - 1, C)}, "
+                         f"got {tuple(weight.shape)} and {tuple(prior.shape)}")
+    if activation not in (None, "silu"):
+        raise ValueError(f"unsupported activation {activation!r}")
+    splits = [int(s) for s in splits]
+    if any(not 0 <= s <= L for s in splits) or splits != sorted(splits):
+        raise ValueError(f"splits must be sorted and within [0, {L}], got {splits}")
+
+    xp = torch.cat((prior.to(x.dtype), x), dim=1)  # [B, K-1+L, C]
+    xw = xp.to(weight.dtype)
+    if L == 0:
+        y = xw.new_empty(B, 0, C)
+    elif L == 1:
+        # Decode: a weighted sum over K rows, accumulated in float32 and rounded once like the
+        # convolution; 31 µs instead of 47 µs for the convolution (6144 channels, 1 CPU thread).
+        y = (xw.float() * weight.t().float()).sum(1, keepdim=True)
+        if bias is not None:
+            y = y + bias.float()
+        y = y.to(weight.dtype)
+    else:
+        # Viewed as [B, C, 1, K-1+L], xw is a channels-last image, which oneDNN's depthwise
+        # convolution reads as it is; conv1d on the [B, C, T] transpose took 136 ms instead of
+        # 2.2 ms (2048 x 6144 bf16, 1 CPU thread). The output is [B, L, C]-contiguous.
+        y = F.conv2d(xw.transpose(1, 2).unsqueeze(2), weight[:, None, None, :], bias, groups=C)
+        y = y.squeeze(2).transpose(1, 2)
+    if activation == "silu":
+        y = F.silu(y, inplace=True)  # y is ours: skip a second output buffer
+    out = y.to(x.dtype)
+
+    if query_lens is None:
+        tail = xp[:, L:].clone()
+        bounds = [xp[:, s : s + K - 1].clone() for s in splits]
+    else:
+        lens = torch.as_tensor(query_lens, device=x.device)
+        tail = _gather_tails(xp, lens, K)
+        bounds = [_gather_tails(xp, lens.clamp(max=s), K) for s in splits]
+    return out, tail, bounds
+
+
+def _gather_tails(xp: Tensor, ends: Tensor, K: int) -> Tensor:
+    """The tail after ``ends[b]`` tokens of each row, ``[B, K-1, C]``: rows ``ends[b] .. ends[b]+K-2`` of
+    ``xp``, as a new tensor."""
+    rows = ends.view(-1, 1) + torch.arange(K - 1, device=xp.device)
+    return xp[torch.arange(xp.shape[0], device=xp.device).view(-1, 1), rows]
