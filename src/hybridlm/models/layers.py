@@ -151,11 +151,12 @@ class GatedDeltaNet(nn.Module):
             device,
         )
 
-    def mix(self, qkv, ab, conv_tail, state, query_lens=None, splits=()):
+    def mix(self, qkv, ab, conv_tail, state, query_lens=None, splits=(), inplace=False):
         """Conv + gated delta scan over scan inputs.
 
         qkv [B, L, conv_dim], ab [B, L, 2·Hv] -> (o [B, L, Hv, Dv], conv_tail, state, boundary)
-        where boundary[i] = (tail, state) after `splits[i]` tokens.
+        where boundary[i] = (tail, state) after `splits[i]` tokens. `inplace` lets the scan advance
+        `state` in place (the live cache state, handed straight back to the cache).
         """
         b, length, _ = qkv.shape
         conv_w = self.conv1d.weight.squeeze(1)
@@ -172,7 +173,9 @@ class GatedDeltaNet(nn.Module):
         a, beta_in = ab.split(self.v_heads, dim=-1)
         beta = beta_in.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        o, state, states = gated_delta_rule(q, k, v, g, beta, state, query_lens=query_lens, splits=splits)
+        o, state, states = gated_delta_rule(
+            q, k, v, g, beta, state, query_lens=query_lens, splits=splits, inplace=inplace
+        )
         return o, tail, state, list(zip(tails, states, strict=True))
 
     @torch.no_grad()
@@ -189,7 +192,7 @@ class GatedDeltaNet(nn.Module):
         ab = torch.cat([self.in_proj_a(x), self.in_proj_b(x)], dim=-1)
         hist = cache.get(batch)
         lens = batch.query_lens if batch.padded else None
-        o, tail, state, boundary = self.mix(qkv, ab, hist.conv_tail, hist.state, lens, hist.splits)
+        o, tail, state, boundary = self.mix(qkv, ab, hist.conv_tail, hist.state, lens, hist.splits, inplace=True)
         cache.put(
             batch,
             tail,
