@@ -41,6 +41,13 @@ class Model:
             raise ValueError("ids must not be empty")
         return self.lm(Batch.single(ids, device=self.device), self.lm.make_caches(1), logits="all")[0]
 
+    def warm_up(self) -> None:
+        """One short prefill and one decode step on throw-away caches, so the first real request does not
+        pay one-time costs (kernel selection, allocator growth) in its time to first token."""
+        caches = self.lm.make_caches(1)
+        self.lm(Batch.single(list(range(8)), device=self.device), caches)
+        self.lm(Batch.single([0], offset=8, device=self.device), caches)
+
     def stream(
         self,
         prompt_ids: list[int],
@@ -69,14 +76,18 @@ class Model:
             if pos >= len(prompt_ids):
                 break
         for _ in range(max_tokens):
-            token = int(sample(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)[0])
+            token = int(
+                sample(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)[0]
+            )
             if token in eos:
                 return
             yield token
             logits = self.lm(Batch.single([token], offset=pos, device=self.device), caches)
             pos += 1
 
-    def generate(self, prompt_ids: list[int], max_tokens: int, temperature: float = 0.0, seed: int | None = None) -> list[int]:
+    def generate(
+        self, prompt_ids: list[int], max_tokens: int, temperature: float = 0.0, seed: int | None = None
+    ) -> list[int]:
         """The generated ids only (greedy by default; stops at an EOS id, which is not included)."""
         return list(self.stream(prompt_ids, max_tokens, temperature=temperature, seed=seed))
 

@@ -1,8 +1,9 @@
-"""`hybridlm` command line: generate | demo-model | bench."""
+"""`hybridlm` command line: serve | chat | generate | demo-model | bench."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
@@ -12,36 +13,192 @@ import torch
 log = logging.getLogger("hybridlm")
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
+DEMO_MODEL_NAME = "hybridlm-demo"
+
+ENVIRONMENT = """\
+environment variables (a flag given on the command line wins):
+  HYBRIDLM_MODEL            --model
+  HYBRIDLM_MODEL_NAME       --model-name
+  HYBRIDLM_HOST             --host
+  HYBRIDLM_PORT             --port
+  HYBRIDLM_API_KEY          --api-key
+  HYBRIDLM_PREFILL_CHUNK    --prefill-chunk
+  HYBRIDLM_MAX_QUEUE        --max-queue
+  HYBRIDLM_CONTEXT_LENGTH   --context-length
+  HYBRIDLM_GRACEFUL_TIMEOUT --graceful-timeout
+  HYBRIDLM_LOG_LEVEL        log level: DEBUG, INFO, WARNING (default), ERROR
+  HYBRIDLM_DEMO_DIR         where the demo model is written (default ~/.cache/hybridlm/demo-model)
+"""
 
 
 def setup_logging() -> None:
     level = os.environ.get("HYBRIDLM_LOG_LEVEL", "WARNING").upper()
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.basicConfig(
+        level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+
+
+def _env(name: str, default: str | None = None) -> str | None:
+    # argparse runs `type` on string defaults, so a bad value in the environment is reported like a bad flag.
+    return os.environ.get(name, default)
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=os.environ.get("HYBRIDLM_MODEL"),
-                   help="checkpoint directory (config.json, *.safetensors, tokenizer.json); "
-                        "default: the embedded demo model [env HYBRIDLM_MODEL]")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                   help="weight and activation dtype (default bfloat16)")
+    p.add_argument(
+        "--model",
+        default=_env("HYBRIDLM_MODEL"),
+        help="checkpoint directory (config.json, *.safetensors, tokenizer.json); "
+        "default: the embedded demo model [env HYBRIDLM_MODEL]",
+    )
+    p.add_argument(
+        "--dtype", choices=sorted(DTYPES), default=None, help="weight and activation dtype (default bfloat16)"
+    )
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
 
 
-def cmd_generate(args) -> int:
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=_env("HYBRIDLM_PREFILL_CHUNK", "512"),
+        help="most prompt tokens per forward pass (default 512) [env HYBRIDLM_PREFILL_CHUNK]",
+    )
+    p.add_argument(
+        "--context-length",
+        type=int,
+        default=_env("HYBRIDLM_CONTEXT_LENGTH"),
+        help="most tokens (prompt + output) per request; longer prompts are refused "
+        "(default: the model's max_position_embeddings) [env HYBRIDLM_CONTEXT_LENGTH]",
+    )
+
+
+def load(args):
+    """The model behind `--model` (the demo model when absent), with a progress bar on stderr."""
+    from tqdm import tqdm
+
     from hybridlm import load_model
 
-    model = load_model(args.model, dtype=DTYPES.get(args.dtype), device=args.device)
+    with tqdm(total=3, desc="loading model", unit="step", file=sys.stderr, disable=None, leave=False) as bar:
+        path = args.model
+        if path is None:
+            from hybridlm.demo import demo_model_dir
+
+            bar.set_postfix_str("demo checkpoint")
+            path = demo_model_dir()
+        bar.update()
+        bar.set_postfix_str("weights")
+        model = load_model(path, dtype=DTYPES.get(args.dtype), device=args.device)
+        bar.update()
+        bar.set_postfix_str("warm-up")
+        model.warm_up()
+        bar.update()
     if model.tokenizer is None:
         raise SystemExit(f"hybridlm: {model.path} has no tokenizer.json")
+    return model
+
+
+def make_engine(model, args):
+    from hybridlm.engine import Engine
+
+    return Engine(
+        model.lm,
+        model.tokenizer,
+        prefill_chunk=args.prefill_chunk,
+        max_queue=getattr(args, "max_queue", 64),
+        context_length=args.context_length,
+    )
+
+
+def cmd_serve(args) -> int:
+    from hybridlm.server import serve
+
+    model = load(args)
+    name = args.model_name or (DEMO_MODEL_NAME if args.model is None else model.path.name)
+    engine = make_engine(model, args)
+    auth = " (API key required)" if args.api_key else ""
+    print(
+        f"hybridlm: serving {name!r} at http://{args.host}:{args.port}/v1{auth}; Ctrl-C stops",
+        file=sys.stderr,
+    )
+    serve(
+        engine,
+        name,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key or None,
+        graceful_timeout=args.graceful_timeout,
+    )
+    return 0
+
+
+def cmd_chat(args) -> int:
+    from hybridlm.engine import InvalidParameter, SamplingParams
+
+    with contextlib.suppress(ImportError):
+        import readline  # noqa: F401 - line editing and history for input()
+
+    model = load(args)
+    tokenizer = model.tokenizer
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        max_tokens=args.max_tokens,
+    )
+    start = [{"role": "system", "content": args.system}] if args.system else []
+    template_kwargs = {"enable_thinking": False} if args.no_think else {}
+    messages = list(start)
+    print(
+        "/exit quits, /reset starts over; Ctrl-C stops a reply, Ctrl-C or Ctrl-D at the prompt quits.",
+        file=sys.stderr,
+    )
+    with make_engine(model, args) as engine:
+        while True:
+            try:
+                line = input("> ")
+            except (EOFError, KeyboardInterrupt):
+                print(file=sys.stderr)
+                return 0
+            command = line.strip()
+            if command in ("/exit", "/quit"):
+                return 0
+            if command == "/reset":
+                messages = list(start)
+                continue
+            if not command:
+                continue
+            messages.append({"role": "user", "content": line})
+            ids = tokenizer.encode(tokenizer.apply_chat_template(messages, **template_kwargs))
+            reply = ""
+            try:
+                with contextlib.closing(engine.stream(ids, params)) as events:
+                    for event in events:
+                        sys.stdout.write(event.text)
+                        sys.stdout.flush()
+                        reply += event.text
+            except InvalidParameter as e:  # e.g. the conversation outgrew the context
+                print(f"hybridlm: {e}; /reset starts over", file=sys.stderr)
+                messages.pop()
+                continue
+            except KeyboardInterrupt:  # closing the stream cancelled the request
+                sys.stdout.write(" [stopped]")
+            print()
+            messages.append({"role": "assistant", "content": reply})
+
+
+def cmd_generate(args) -> int:
+    from hybridlm.models.tokenizer import IncrementalDecoder
+
+    model = load(args)
     text = args.prompt
     if args.chat:
-        text = model.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        text = model.tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True
+        )
     ids = model.tokenizer.encode(text)
     if not ids:
         raise SystemExit("hybridlm: the prompt encodes to no tokens")
-    from hybridlm.models.tokenizer import IncrementalDecoder
-
     decoder = IncrementalDecoder(model.tokenizer)
     for token in model.stream(ids, args.max_tokens, temperature=args.temperature, seed=args.seed):
         sys.stdout.write(decoder.add(token))
@@ -57,46 +214,167 @@ def cmd_demo_model(args) -> int:
     return 0
 
 
-def cmd_bench(args) -> int:
+def cmd_bench_forward(args) -> int:
     from hybridlm.bench import forward
 
-    if args.what == "forward":
-        return forward.main(args)
-    raise SystemExit(f"hybridlm: unknown benchmark {args.what!r}")
+    return forward.main(args)
+
+
+def cmd_bench_serve(args) -> int:
+    from hybridlm.bench import serve
+
+    return serve.main(args, load(args))
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hybridlm", description="Inference engine for hybrid language models.")
+    parser = argparse.ArgumentParser(
+        prog="hybridlm", description="Inference engine for hybrid language models."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
+    raw = argparse.RawDescriptionHelpFormatter
 
-    g = sub.add_parser("generate", help="continue a prompt and print the text",
-                       description="Continue a prompt with the model and print the continuation as it is generated.")
+    s = sub.add_parser(
+        "serve",
+        help="serve the model over an OpenAI-compatible HTTP API",
+        formatter_class=raw,
+        description="Serve the model over HTTP: POST /v1/chat/completions, POST /v1/completions,\n"
+        "GET /v1/models (OpenAI-compatible, streaming over SSE), GET /health and GET /metrics\n"
+        "(Prometheus). SIGTERM or Ctrl-C shuts down gracefully.",
+        epilog=ENVIRONMENT,
+    )
+    add_model_args(s)
+    s.add_argument(
+        "--model-name",
+        default=_env("HYBRIDLM_MODEL_NAME"),
+        help="the model id clients send and /v1/models lists (default: the checkpoint directory's "
+        f"name, {DEMO_MODEL_NAME!r} for the demo model) [env HYBRIDLM_MODEL_NAME]",
+    )
+    s.add_argument(
+        "--host",
+        default=_env("HYBRIDLM_HOST", "127.0.0.1"),
+        help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 exposes the server "
+        "to the network) [env HYBRIDLM_HOST]",
+    )
+    s.add_argument(
+        "--port",
+        type=int,
+        default=_env("HYBRIDLM_PORT", "8000"),
+        help="TCP port (default 8000) [env HYBRIDLM_PORT]",
+    )
+    s.add_argument(
+        "--api-key",
+        default=_env("HYBRIDLM_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on every endpoint but /health (default: no key) "
+        "[env HYBRIDLM_API_KEY]",
+    )
+    add_engine_args(s)
+    s.add_argument(
+        "--max-queue",
+        type=int,
+        default=_env("HYBRIDLM_MAX_QUEUE", "64"),
+        help="most requests waiting for the engine; more get HTTP 429 (default 64) [env HYBRIDLM_MAX_QUEUE]",
+    )
+    s.add_argument(
+        "--graceful-timeout",
+        type=float,
+        default=_env("HYBRIDLM_GRACEFUL_TIMEOUT", "30"),
+        help="seconds running requests may finish after SIGTERM / Ctrl-C before they are cancelled "
+        "(default 30) [env HYBRIDLM_GRACEFUL_TIMEOUT]",
+    )
+    s.set_defaults(func=cmd_serve)
+
+    c = sub.add_parser(
+        "chat",
+        help="chat with the model in the terminal",
+        description="Interactive chat in the terminal, streamed, with the model's chat template. "
+        "/exit quits, /reset clears the conversation; Ctrl-C stops a reply.",
+    )
+    add_model_args(c)
+    add_engine_args(c)
+    c.add_argument("--system", default=None, help="system prompt")
+    c.add_argument("--max-tokens", type=int, default=512, help="most tokens per reply (default 512)")
+    c.add_argument(
+        "--temperature", type=float, default=0.7, help="sampling temperature; 0 = greedy (default 0.7)"
+    )
+    c.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass (default 0.95)")
+    c.add_argument(
+        "--top-k", type=int, default=0, help="sample among the k likeliest tokens; 0 = all (default)"
+    )
+    c.add_argument("--seed", type=int, default=None, help="random seed (default: a fresh one per reply)")
+    c.add_argument(
+        "--no-think", action="store_true", help="ask the template to skip reasoning (enable_thinking=False)"
+    )
+    c.set_defaults(func=cmd_chat)
+
+    g = sub.add_parser(
+        "generate",
+        help="continue a prompt and print the text",
+        description="Continue a prompt with the model and print the continuation as it is generated.",
+    )
     add_model_args(g)
     g.add_argument("--prompt", required=True, help="prompt text")
-    g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message with the chat template")
+    g.add_argument(
+        "--chat", action="store_true", help="wrap the prompt as a user message with the chat template"
+    )
     g.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate (default 64)")
-    g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default)")
+    g.add_argument(
+        "--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default)"
+    )
     g.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     g.set_defaults(func=cmd_generate)
 
-    d = sub.add_parser("demo-model", help="write the embedded demo checkpoint to a directory",
-                       description="Write the small random-weight demo checkpoint (Qwen3.5-style hybrid, real "
-                                   "tokenizer and chat template) to --out.")
+    d = sub.add_parser(
+        "demo-model",
+        help="write the embedded demo checkpoint to a directory",
+        description="Write the small random-weight demo checkpoint (Qwen3.5-style hybrid, real "
+        "tokenizer and chat template) to --out.",
+    )
     d.add_argument("--out", required=True, help="directory to write")
     d.set_defaults(func=cmd_demo_model)
 
-    b = sub.add_parser("bench", help="measure speed next to the machine's limits",
-                       description="Benchmarks. `forward`: prefill (512, 2048 tokens) and decode tokens/s beside the "
-                                   "measured memory bandwidth and matmul rate.")
-    b.add_argument("what", choices=["forward"], help="which benchmark")
-    add_model_args(b)
-    b.add_argument("--preset", choices=["qwen3.5-0.8b"], default=None,
-                   help="use a random-weight checkpoint of this published shape (written once to the cache dir)")
-    b.add_argument("--prefill", type=int, nargs="+", default=[512, 2048], help="prefill lengths (default 512 2048)")
-    b.add_argument("--decode", type=int, default=32, help="decode steps to time (default 32)")
-    b.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
-    b.add_argument("--json", default=None, help="also write the report as JSON to this file")
-    b.set_defaults(func=cmd_bench)
+    b = sub.add_parser(
+        "bench",
+        help="measure speed next to the machine's limits",
+        description="Benchmarks: `forward` (model speed beside the machine's limits), `serve` "
+        "(the HTTP server beside the engine alone).",
+    )
+    bench = b.add_subparsers(dest="what", required=True)
+    f = bench.add_parser(
+        "forward",
+        help="prefill and decode tokens/s beside bandwidth and matmul limits",
+        description="Prefill (512, 2048 tokens) and decode tokens/s beside the measured memory "
+        "bandwidth and matmul rate.",
+    )
+    add_model_args(f)
+    f.add_argument(
+        "--preset",
+        choices=["qwen3.5-0.8b"],
+        default=None,
+        help="use a random-weight checkpoint of this published shape (written once to the cache dir)",
+    )
+    f.add_argument(
+        "--prefill", type=int, nargs="+", default=[512, 2048], help="prefill lengths (default 512 2048)"
+    )
+    f.add_argument("--decode", type=int, default=32, help="decode steps to time (default 32)")
+    f.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    f.add_argument("--json", default=None, help="also write the report as JSON to this file")
+    f.set_defaults(func=cmd_bench_forward)
+
+    v = bench.add_parser(
+        "serve",
+        help="time to first token and decode tokens/s through HTTP vs the engine",
+        description="Start the server in-process on a free loopback port and compare streaming "
+        "requests through HTTP with the same requests on the engine alone: time to "
+        "first token, decode tokens/s and the HTTP overhead.",
+    )
+    add_model_args(v)
+    add_engine_args(v)
+    v.add_argument("--prompt-tokens", type=int, default=512, help="prompt length in tokens (default 512)")
+    v.add_argument("--max-tokens", type=int, default=128, help="tokens generated per request (default 128)")
+    v.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    v.add_argument("--repeats", type=int, default=5, help="requests per side, alternating (default 5)")
+    v.add_argument("--json", default=None, help="also write the report as JSON to this file")
+    v.set_defaults(func=cmd_bench_serve)
     return parser
 
 

@@ -15,9 +15,18 @@ def qwen3(out):
     torch.manual_seed(0)
     # a window of 16 with max_window_layers=2: layers 2-3 slide, and every test sequence is longer
     cfg = Qwen3Config(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False,
-        use_sliding_window=True, sliding_window=16, max_window_layers=2, max_position_embeddings=4096,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        tie_word_embeddings=False,
+        use_sliding_window=True,
+        sliding_window=16,
+        max_window_layers=2,
+        max_position_embeddings=4096,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     )
     return save(Qwen3ForCausalLM(cfg), out, "dense_qwen3")
@@ -28,9 +37,16 @@ def qwen3_tied(out):
 
     torch.manual_seed(0)
     cfg = Qwen3Config(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=1, head_dim=24, tie_word_embeddings=True,
-        attention_bias=True, max_position_embeddings=4096,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=24,
+        tie_word_embeddings=True,
+        attention_bias=True,
+        max_position_embeddings=4096,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
     )
     return save(Qwen3ForCausalLM(cfg), out, "dense_qwen3_tied")
@@ -43,13 +59,26 @@ def llama(out):
     # original context 64 with low/high factors 1/4 puts the 8 frequencies of head_dim 16 in all
     # three llama3 bands (kept, smoothed, divided by `factor`)
     rope = {
-        "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+        "rope_type": "llama3",
+        "rope_theta": 10000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
     }
     cfg = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
-        attention_bias=True, mlp_bias=True, rms_norm_eps=1e-5, max_position_embeddings=512,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=False,
+        attention_bias=True,
+        mlp_bias=True,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=512,
         rope_parameters=rope,
     )
     return save(LlamaForCausalLM(cfg), out, "dense_llama")
@@ -60,9 +89,16 @@ def llama_tied(out):
 
     torch.manual_seed(0)
     cfg = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True, rms_norm_eps=1e-5,
-        max_position_embeddings=4096, rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=4096,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
     )
     return save(LlamaForCausalLM(cfg), out, "dense_llama_tied")
 

@@ -20,9 +20,18 @@ def text_config(tie: bool, layer_types: list[str], **kw):
     from transformers import Gemma3TextConfig
 
     base = dict(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=len(layer_types),
-        layer_types=layer_types, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-        sliding_window=16, query_pre_attn_scalar=24, tie_word_embeddings=tie, max_position_embeddings=4096,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=len(layer_types),
+        layer_types=layer_types,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        sliding_window=16,
+        query_pre_attn_scalar=24,
+        tie_word_embeddings=tie,
+        max_position_embeddings=4096,
         rope_parameters={
             S: {"rope_type": "default", "rope_theta": 10000.0},
             F: {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
@@ -51,11 +60,20 @@ def text_tied_legacy(out):
     ckpt = save(Gemma3ForCausalLM(cfg), out, "gemma3_text_tied")
     path = out / "config.json"
     raw = json.loads(path.read_text())
-    for key in ("layer_types", "rope_parameters", "_sliding_window_pattern", "query_pre_attn_scalar",
-                "hidden_activation", "rms_norm_eps", "tie_word_embeddings"):
+    for key in (
+        "layer_types",
+        "rope_parameters",
+        "_sliding_window_pattern",
+        "query_pre_attn_scalar",
+        "hidden_activation",
+        "rms_norm_eps",
+        "tie_word_embeddings",
+    ):
         raw.pop(key)
     raw.update(
-        sliding_window_pattern=3, rope_theta=500000.0, rope_local_base_freq=20000.0,
+        sliding_window_pattern=3,
+        rope_theta=500000.0,
+        rope_local_base_freq=20000.0,
         rope_scaling={"rope_type": "linear", "factor": 4.0},
     )
     path.write_text(json.dumps(raw, indent=2))
@@ -68,12 +86,18 @@ def vision_language(tie: bool, name: str):
 
         torch.manual_seed(0)
         vision = dict(
-            hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-            image_size=32, patch_size=8,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=32,
+            patch_size=8,
         )
         cfg = Gemma3Config(
-            text_config=text_config(tie, [F, S, S]).to_dict(), vision_config=vision,
-            mm_tokens_per_image=4, tie_word_embeddings=tie,
+            text_config=text_config(tie, [F, S, S]).to_dict(),
+            vision_config=vision,
+            mm_tokens_per_image=4,
+            tie_word_embeddings=tie,
         )
         return save(Gemma3ForConditionalGeneration(cfg), out, name)
 

@@ -15,10 +15,18 @@ def config(layer_types: list[str], **kw):
     from transformers import Lfm2Config
 
     base = dict(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=200, num_hidden_layers=len(layer_types),
-        layer_types=layer_types, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=200,
+        num_hidden_layers=len(layer_types),
+        layer_types=layer_types,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
         # auto-adjust: int(2·200/3) = 133, ×1.5 -> 199, rounded up to a multiple of 32 -> 224
-        block_auto_adjust_ff_dim=True, block_ffn_dim_multiplier=1.5, block_multiple_of=32,
+        block_auto_adjust_ff_dim=True,
+        block_ffn_dim_multiplier=1.5,
+        block_multiple_of=32,
         tie_word_embeddings=False,
     )
     base.update(kw)
@@ -38,8 +46,12 @@ def tied(out):
 
     torch.manual_seed(0)
     cfg = config(
-        ["full_attention", "conv", "conv"], tie_word_embeddings=True, conv_bias=True, conv_L_cache=4,
-        block_auto_adjust_ff_dim=False, intermediate_size=96,
+        ["full_attention", "conv", "conv"],
+        tie_word_embeddings=True,
+        conv_bias=True,
+        conv_L_cache=4,
+        block_auto_adjust_ff_dim=False,
+        intermediate_size=96,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     )
     return save(Lfm2ForCausalLM(cfg), out, "lfm2_tied")

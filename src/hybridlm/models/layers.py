@@ -192,7 +192,9 @@ class GatedDeltaNet(nn.Module):
         ab = torch.cat([self.in_proj_a(x), self.in_proj_b(x)], dim=-1)
         hist = cache.get(batch)
         lens = batch.query_lens if batch.padded else None
-        o, tail, state, boundary = self.mix(qkv, ab, hist.conv_tail, hist.state, lens, hist.splits, inplace=True)
+        o, tail, state, boundary = self.mix(
+            qkv, ab, hist.conv_tail, hist.state, lens, hist.splits, inplace=True
+        )
         cache.put(
             batch,
             tail,

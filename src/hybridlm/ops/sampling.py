@@ -1,4 +1,4 @@
-"""Next-token selection from logits: greedy, temperature, top-k, top-p, min-p."""
+"""Next-token selection from logits: greedy, temperature, top-k, top-p, min-p; penalties; logprobs."""
 
 from __future__ import annotations
 
@@ -42,3 +42,44 @@ def sample(
         return logits.argmax(-1)
     probs = filter_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p).softmax(-1)
     return torch.multinomial(probs, 1, generator=generator).view(-1)
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    output_counts: torch.Tensor,
+    seen: torch.Tensor,
+    *,
+    repetition_penalty: float = 1.0,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+) -> torch.Tensor:
+    """Penalised copy of [B, V] float32 `logits` (the convention of vLLM and OpenAI).
+
+    output_counts: [B, V] float32, how often each id was generated so far; presence and frequency
+        penalties read it: `logit - presence · [count > 0] - frequency · count`.
+    seen: [B, V] bool, ids in the prompt or the output; the repetition penalty (CTRL) divides their
+        positive logits and multiplies their negative ones by `repetition_penalty`.
+    """
+    logits = logits.float().clone()
+    if repetition_penalty != 1.0:
+        scaled = torch.where(logits > 0, logits / repetition_penalty, logits * repetition_penalty)
+        logits = torch.where(seen, scaled, logits)
+    if frequency_penalty != 0.0:
+        logits -= frequency_penalty * output_counts
+    if presence_penalty != 0.0:
+        logits -= presence_penalty * (output_counts > 0).float()
+    return logits
+
+
+def token_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, top_n: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Log-probabilities of the model's distribution (log-softmax of the raw float32 logits).
+
+    logits: [B, V]; tokens: [B] chosen ids. Returns (chosen [B], top_ids [B, top_n] int64,
+    top_logprobs [B, top_n]), the top entries in descending order.
+    """
+    logp = logits.float().log_softmax(-1)
+    chosen = logp.gather(-1, tokens.view(-1, 1).to(logp.device)).view(-1)
+    top = torch.topk(logp, min(top_n, logp.shape[-1]), dim=-1)
+    return chosen, top.indices, top.values

@@ -1,0 +1,21 @@
+"""Requests, scheduling, prefill / decode, stop rules, streaming and cancellation (DESIGN.md §3.6)."""
+
+from hybridlm.engine.engine import AsyncStream, Engine
+from hybridlm.engine.params import EngineClosed, InvalidParameter, PromptTooLong, QueueFull, SamplingParams
+from hybridlm.engine.request import Completion, Event, Request, Timings, TokenLogprob, Usage
+
+__all__ = [
+    "AsyncStream",
+    "Completion",
+    "Engine",
+    "EngineClosed",
+    "Event",
+    "InvalidParameter",
+    "PromptTooLong",
+    "QueueFull",
+    "Request",
+    "SamplingParams",
+    "Timings",
+    "TokenLogprob",
+    "Usage",
+]

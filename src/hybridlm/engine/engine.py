@@ -1,0 +1,482 @@
+"""The engine: a worker thread that serves queued requests through prefill and decode.
+
+Loop: `_schedule` admits requests from a bounded FIFO queue into the running set (one at a time
+for now), `_step` advances every running request by one unit of work (its whole chunked prefill
+and first token, or one decode token), `_emit` hands each request its event and retires the
+finished ones. Continuous batching replaces `_step`'s per-request loop with one ragged forward
+and raises `max_running`; nothing else changes shape.
+
+Callers talk to the engine through `Request` handles: events arrive through a sink (called on the
+engine thread, so it must be quick); `stream`/`generate` wrap that for blocking code and
+`AsyncStream` for asyncio code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import secrets
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from hybridlm.batch import Batch
+from hybridlm.cache.base import LayerCache
+from hybridlm.engine.params import EngineClosed, InvalidParameter, PromptTooLong, QueueFull, SamplingParams
+from hybridlm.engine.request import (
+    CANCELLED,
+    ERROR,
+    LENGTH,
+    STOP,
+    Completion,
+    Event,
+    Request,
+    Sink,
+    Timings,
+    TokenLogprob,
+    Usage,
+)
+from hybridlm.engine.stats import EngineStats
+from hybridlm.engine.stop import StopStrings
+from hybridlm.models.base import CausalLM
+from hybridlm.models.tokenizer import IncrementalDecoder, Tokenizer
+from hybridlm.ops.sampling import apply_penalties, sample, token_logprobs
+
+log = logging.getLogger(__name__)
+
+DECODE_CONTEXT = 4  # prompt ids that condition the first output text (SentencePiece spacing), never emitted
+
+
+@dataclass
+class _Running:
+    """Engine-side state of one scheduled request."""
+
+    request: Request
+    max_tokens: int
+    started: float
+    generator: torch.Generator | None
+    decoder: IncrementalDecoder | None
+    stopper: StopStrings
+    caches: list[LayerCache | None] = field(default_factory=list)
+    logits: torch.Tensor | None = None  # [1, V] float32: the next token's distribution
+    position: int = 0  # tokens held by the caches
+    output_ids: list[int] = field(default_factory=list)
+    output_counts: torch.Tensor | None = None  # [1, V] float32, for presence / frequency penalties
+    seen: torch.Tensor | None = None  # [1, V] bool, prompt ∪ output ids, for the repetition penalty
+    cached_tokens: int = 0
+    prefill_done: float | None = None
+    first_token: float | None = None
+
+
+class Engine:
+    """Serves generation requests for one model on a dedicated worker thread.
+
+    model: a loaded `CausalLM`; tokenizer: its `Tokenizer` (None: token ids only, no text or stop strings).
+    prefill_chunk: most prompt tokens per forward (bounds activation memory; cancellation is checked
+        between chunks). max_queue: most requests waiting to be scheduled (`submit` raises `QueueFull`
+        beyond). context_length: most tokens (prompt + output) per request; default the model's
+        `max_position_embeddings`.
+    """
+
+    max_running = 1  # requests advanced per step; continuous batching raises it
+
+    def __init__(
+        self,
+        model: CausalLM,
+        tokenizer: Tokenizer | None,
+        prefill_chunk: int = 512,
+        max_queue: int = 64,
+        context_length: int | None = None,
+    ):
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        if max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {max_queue}")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.prefill_chunk = prefill_chunk
+        self.max_queue = max_queue
+        limit = int(model.config.get("max_position_embeddings") or 0)
+        self.context_length = context_length or limit or 4096
+        if self.context_length < 2:
+            raise ValueError(f"context_length must be >= 2, got {self.context_length}")
+        self.eos_token_ids = frozenset(tokenizer.eos_token_ids) if tokenizer else frozenset()
+        self.stats = EngineStats()
+        self._queue: deque[Request] = deque()
+        self._running: list[_Running] = []
+        self._wake = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="hybridlm-engine", daemon=True)
+        self._thread.start()
+
+    # -- submitting -------------------------------------------------------------------------------
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, sink: Sink) -> Request:
+        """Queue a request; its events go to `sink` (called on the engine thread, in order, last one
+        finished). Raises `InvalidParameter` / `PromptTooLong` (bad input), `QueueFull`, `EngineClosed`."""
+        self.validate(prompt_ids, params)
+        with self._wake:
+            if self._closed:
+                raise EngineClosed("the engine is shutting down")
+            if len(self._queue) >= self.max_queue:
+                raise QueueFull(
+                    f"server busy: {len(self._queue)} requests are waiting (limit {self.max_queue})"
+                )
+            request = Request(list(prompt_ids), params, sink, on_cancel=self._notify)
+            self._queue.append(request)
+            self._wake.notify()
+        log.debug(
+            "event=queued request=%d prompt_tokens=%d queue_depth=%d",
+            request.id,
+            len(prompt_ids),
+            len(self._queue),
+        )
+        return request
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise `InvalidParameter` for what `SamplingParams` cannot check alone (ids, lengths)."""
+        vocab = self.model.vocab_size
+        if not prompt_ids:
+            raise InvalidParameter("prompt", "prompt is empty")
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in prompt_ids):
+            raise InvalidParameter("prompt", f"prompt token ids must be integers in [0, {vocab})")
+        if len(prompt_ids) >= self.context_length:
+            raise PromptTooLong(
+                "prompt",
+                f"prompt has {len(prompt_ids)} tokens, which leaves no room to generate within this "
+                f"server's context length of {self.context_length} tokens",
+            )
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise InvalidParameter("stop_token_ids", f"stop_token_ids must be < {vocab}")
+        if params.stop and self.tokenizer is None:
+            raise InvalidParameter("stop", "stop strings need a tokenizer (this model has none)")
+
+    def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[Event]:
+        """Blocking iterator over a request's events; closing it early cancels the request."""
+        events: queue.SimpleQueue[Event] = queue.SimpleQueue()
+        request = self.submit(prompt_ids, params, events.put)
+        finished = False
+        try:
+            while not finished:
+                event = events.get()
+                finished = event.finished
+                yield event
+        finally:
+            if not finished:
+                request.cancel()
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
+        """Run one request to completion (blocking) and return everything it produced."""
+        result = Completion()
+        for event in self.stream(prompt_ids, params):
+            result.add(event)
+        return result
+
+    @property
+    def queue_depth(self) -> int:
+        """Requests waiting to be scheduled."""
+        return len(self._queue)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def close(self, timeout: float | None = 30.0) -> None:
+        """Stop accepting requests, cancel the waiting and running ones, and stop the worker thread."""
+        with self._wake:  # a re-entrant lock: cancel() notifies through it
+            self._closed = True
+            for request in [*self._queue, *(r.request for r in self._running)]:
+                request.cancel()
+            self._wake.notify()
+        self._thread.join(timeout)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _notify(self) -> None:
+        with self._wake:
+            self._wake.notify()
+
+    # -- the worker loop --------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        # Denormal flushing is a per-thread CPU flag; set it on the thread that runs the model (the
+        # recurrent kernels slow down ~10x on subnormal floats otherwise).
+        torch.set_flush_denormal(True)
+        while True:
+            batch = self._schedule()
+            if batch is None:
+                return
+            self._emit(self._step(batch))
+
+    def _schedule(self) -> list[_Running] | None:
+        """Admit queued requests up to `max_running`; block while there is nothing to do.
+        Returns the running set (None when closed and drained)."""
+        dropped: list[Request] = []
+        with self._wake:
+            while True:
+                for request in [r for r in self._queue if r.cancelled]:
+                    self._queue.remove(request)
+                    dropped.append(request)
+                while len(self._running) < self.max_running and self._queue:
+                    self._running.append(self._start(self._queue.popleft()))
+                if self._running or dropped:
+                    break
+                if self._closed:
+                    return None
+                self._wake.wait()
+        for request in dropped:  # cancelled while waiting: they never ran
+            now = time.perf_counter()
+            usage = Usage(len(request.prompt_ids), 0)
+            timings = Timings((now - request.arrival) * 1e3, 0.0, None, 0.0, (now - request.arrival) * 1e3)
+            self._deliver(request, Event(finish_reason=CANCELLED, usage=usage, timings=timings))
+            with self.stats.lock:
+                self.stats.finished[CANCELLED] += 1
+        return self._running
+
+    def _start(self, request: Request) -> _Running:
+        params = request.params
+        generator = None
+        if not params.greedy:
+            generator = torch.Generator(device=self.model.device)
+            generator.manual_seed(params.seed if params.seed is not None else secrets.randbits(63))
+        decoder = None
+        if self.tokenizer is not None:
+            context = request.prompt_ids[-DECODE_CONTEXT:]
+            decoder = IncrementalDecoder(
+                self.tokenizer, skip_special_tokens=params.skip_special_tokens, context=context
+            )
+        room = self.context_length - len(request.prompt_ids)
+        max_tokens = min(params.max_tokens or room, room)
+        running = _Running(
+            request, max_tokens, time.perf_counter(), generator, decoder, StopStrings(params.stop)
+        )
+        with self.stats.lock:
+            self.stats.queue_seconds.observe(running.started - request.arrival)
+        log.debug(
+            "event=started request=%d queue_ms=%.1f", request.id, (running.started - request.arrival) * 1e3
+        )
+        return running
+
+    def _step(self, batch: list[_Running]) -> list[tuple[_Running, Event]]:
+        """Advance each running request by one token (its prefill first); one event per request."""
+        out = []
+        for running in batch:
+            try:
+                event = self._advance(running)
+            except Exception as e:  # a failing request must not take the engine down with it
+                log.exception("event=failed request=%d", running.request.id)
+                event = self._finish(running, ERROR, error=f"{type(e).__name__}: {e}")
+            out.append((running, event))
+        return out
+
+    def _emit(self, outputs: list[tuple[_Running, Event]]) -> None:
+        for running, event in outputs:
+            if event.finished:
+                with self._wake:
+                    self._running.remove(running)
+                running.caches = []  # release the cache memory now, not when the handle dies
+            self._deliver(running.request, event)
+
+    def _deliver(self, request: Request, event: Event) -> None:
+        try:
+            request.sink(event)
+        except Exception:  # the receiver is gone (e.g. its event loop closed): stop generating for it
+            log.warning("event=sink_failed request=%d action=cancel", request.id, exc_info=True)
+            request.cancel()
+
+    # -- one request's work -----------------------------------------------------------------------
+
+    def _prefill(self, running: _Running) -> tuple[list[LayerCache | None], torch.Tensor | None, int]:
+        """Bring caches to the end of the prompt: (caches, [1, V] logits of the last prompt token or None
+        when cancelled between chunks, cached_tokens).
+
+        This is where the prefix trie plugs in: `begin(prompt)` will restore the longest cached prefix
+        and only the remaining tokens are prefilled. Today: fresh caches, every token prefilled.
+        """
+        ids = running.request.prompt_ids
+        caches = self.model.make_caches(1)
+        logits = None
+        for start in range(0, len(ids), self.prefill_chunk):
+            if running.request.cancelled:
+                return caches, None, 0
+            piece = ids[start : start + self.prefill_chunk]
+            logits = self.model(Batch.single(piece, offset=start, device=self.model.device), caches)
+        return caches, logits, 0
+
+    def _advance(self, running: _Running) -> Event:
+        request = running.request
+        if request.cancelled:
+            return self._finish(running, CANCELLED)
+        if running.prefill_done is None:
+            running.caches, running.logits, running.cached_tokens = self._prefill(running)
+            if running.logits is None:
+                return self._finish(running, CANCELLED)
+            running.position = len(request.prompt_ids)
+            running.prefill_done = time.perf_counter()
+        else:
+            token = running.output_ids[-1]
+            batch = Batch.single([token], offset=running.position, device=self.model.device)
+            running.logits = self.model(batch, running.caches)
+            running.position += 1
+        return self._next_token(running)
+
+    def _next_token(self, running: _Running) -> Event:
+        """Sample from `running.logits`, record the token, apply the stop rules; the token enters the
+        caches at the next step (so a finished request costs no extra forward)."""
+        params = running.request.params
+        logits = running.logits
+        if params.penalised:
+            self._ensure_penalty_state(running)
+            logits = apply_penalties(
+                logits,
+                running.output_counts,
+                running.seen,
+                repetition_penalty=params.repetition_penalty,
+                presence_penalty=params.presence_penalty,
+                frequency_penalty=params.frequency_penalty,
+            )
+        chosen = sample(
+            logits,
+            temperature=params.temperature,
+            top_k=params.top_k,
+            top_p=params.top_p,
+            min_p=params.min_p,
+            generator=running.generator,
+        )
+        token = int(chosen[0])
+        logprobs: tuple[TokenLogprob, ...] = ()
+        if params.logprobs is not None:
+            lp, top_ids, top_lp = token_logprobs(running.logits, chosen, params.logprobs)
+            top = tuple(zip(top_ids[0].tolist(), top_lp[0].tolist(), strict=True))
+            logprobs = (TokenLogprob(token, float(lp[0]), top),)
+        # Recorded before it is streamed: the output (and, later, the prefix trie) always knows it.
+        running.output_ids.append(token)
+        if running.output_counts is not None:
+            running.output_counts[0, token] += 1
+            running.seen[0, token] = True
+        if running.first_token is None:
+            running.first_token = time.perf_counter()
+        with self.stats.lock:
+            self.stats.generation_tokens += 1
+
+        reason, stop_reason, text = None, None, ""
+        if token in self.eos_token_ids and not params.ignore_eos or token in params.stop_token_ids:
+            reason, stop_reason = STOP, token
+        else:
+            if running.decoder is not None:
+                text = running.stopper.feed(running.decoder.add(token))
+            if running.stopper.matched is not None:
+                reason, stop_reason = STOP, running.stopper.matched
+            elif len(running.output_ids) >= running.max_tokens:
+                reason = LENGTH
+        if reason is None:
+            return Event((token,), text, logprobs)
+        return self._finish(running, reason, stop_reason, (token,), text, logprobs)
+
+    def _ensure_penalty_state(self, running: _Running) -> None:
+        if running.output_counts is not None:
+            return
+        vocab = running.logits.shape[-1]
+        device = running.logits.device
+        running.output_counts = torch.zeros(1, vocab, device=device)
+        running.seen = torch.zeros(1, vocab, dtype=torch.bool, device=device)
+        running.seen[0, torch.as_tensor(running.request.prompt_ids, device=device)] = True
+
+    def _finish(
+        self,
+        running: _Running,
+        reason: str,
+        stop_reason: str | int | None = None,
+        token_ids: tuple[int, ...] = (),
+        text: str = "",
+        logprobs: tuple[TokenLogprob, ...] = (),
+        error: str | None = None,
+    ) -> Event:
+        """The last event: releases held-back text (unless a stop string matched), usage, timings."""
+        if (
+            reason not in (CANCELLED, ERROR)
+            and running.decoder is not None
+            and running.stopper.matched is None
+        ):
+            text += running.stopper.feed(running.decoder.flush())
+            if running.stopper.matched is not None:  # the flushed tail completed a stop string
+                reason, stop_reason = STOP, running.stopper.matched
+            else:
+                text += running.stopper.flush()
+        request = running.request
+        now = time.perf_counter()
+        prompt = len(request.prompt_ids)
+        prefilled = prompt - running.cached_tokens if running.prefill_done is not None else 0
+        usage = Usage(prompt, len(running.output_ids), running.cached_tokens, prefilled)
+        first = running.first_token
+        timings = Timings(
+            queue_ms=(running.started - request.arrival) * 1e3,
+            prefill_ms=((running.prefill_done or now) - running.started) * 1e3,
+            first_token_ms=(first - request.arrival) * 1e3 if first is not None else None,
+            decode_ms=(now - first) * 1e3 if first is not None else 0.0,
+            total_ms=(now - request.arrival) * 1e3,
+        )
+        with self.stats.lock:
+            s = self.stats
+            s.finished[reason] += 1
+            s.prompt_tokens += prompt
+            s.prefilled_tokens += prefilled
+            s.cached_tokens += running.cached_tokens
+            s.e2e_seconds.observe(now - request.arrival)
+            if running.prefill_done is not None:
+                s.prefill_seconds.observe(running.prefill_done - running.started)
+            if first is not None:
+                s.time_to_first_token_seconds.observe(first - request.arrival)
+                if len(running.output_ids) > 1:
+                    s.time_per_output_token_seconds.observe((now - first) / (len(running.output_ids) - 1))
+        log.info(
+            "event=finished request=%d reason=%s prompt_tokens=%d cached_tokens=%d completion_tokens=%d "
+            "queue_ms=%.1f prefill_ms=%.1f ttft_ms=%.1f decode_ms=%.1f",
+            request.id,
+            reason,
+            usage.prompt_tokens,
+            usage.cached_tokens,
+            usage.completion_tokens,
+            timings.queue_ms,
+            timings.prefill_ms,
+            timings.first_token_ms or 0.0,
+            timings.decode_ms,
+        )
+        return Event(token_ids, text, logprobs, reason, stop_reason, usage, timings, error)
+
+
+class AsyncStream:
+    """A request's events for asyncio code: `async for event in stream`. Construct it inside the
+    running event loop; the engine thread hands events over with `loop.call_soon_threadsafe`."""
+
+    def __init__(self, engine: Engine, prompt_ids: list[int], params: SamplingParams):
+        loop = asyncio.get_running_loop()
+        self._events: asyncio.Queue[Event] = asyncio.Queue()
+        self._done = False
+        self.request = engine.submit(
+            prompt_ids, params, lambda e: loop.call_soon_threadsafe(self._events.put_nowait, e)
+        )
+
+    def __aiter__(self) -> AsyncStream:
+        return self
+
+    async def __anext__(self) -> Event:
+        if self._done:
+            raise StopAsyncIteration
+        event = await self._events.get()
+        self._done = event.finished
+        return event
+
+    def cancel(self) -> None:
+        """Cancel the request unless its last event has already arrived."""
+        if not self._done:
+            self.request.cancel()

@@ -1,0 +1,111 @@
+"""`GET /metrics`: Prometheus text exposition (format 0.0.4) of HTTP and engine counters."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+
+from hybridlm.engine import Engine
+from hybridlm.engine.stats import Histogram
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+PREFIX = "hybridlm_"
+
+
+class HTTPStats:
+    """HTTP responses by (endpoint, status code), counted when a response starts."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._responses: Counter = Counter()
+
+    def count(self, endpoint: str, status: int) -> None:
+        with self._lock:
+            self._responses[(endpoint, status)] += 1
+
+    def snapshot(self) -> dict[tuple[str, int], int]:
+        with self._lock:
+            return dict(self._responses)
+
+
+def _escape(value) -> str:
+    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _labels(**labels) -> str:
+    return "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items()) + "}"
+
+
+def _histogram(lines: list[str], name: str, help_text: str, h: Histogram) -> None:
+    lines += [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
+    for bound, count in zip((*h.buckets, float("inf")), h.cumulative(), strict=True):
+        le = "+Inf" if bound == float("inf") else repr(bound)
+        lines.append(f"{name}_bucket{_labels(le=le)} {count}")
+    lines += [f"{name}_sum {h.sum!r}", f"{name}_count {h.count}"]
+
+
+_HISTOGRAM_HELP = {
+    "queue_seconds": "Seconds requests waited in the queue.",
+    "time_to_first_token_seconds": "Seconds from arrival to the first generated token.",
+    "prefill_seconds": "Seconds spent prefilling prompts.",
+    "time_per_output_token_seconds": "Mean seconds per generated token after the first, per request.",
+    "e2e_request_latency_seconds": "Seconds from arrival to finish.",
+}
+
+
+def render(engine: Engine, http: HTTPStats, model_name: str) -> str:
+    """The whole exposition text."""
+    stats = engine.stats
+    with stats.lock:
+        finished = dict(stats.finished)
+        tokens = {
+            "prompt_tokens_total": ("Prompt tokens of finished requests.", stats.prompt_tokens),
+            "prefilled_tokens_total": ("Prompt tokens run through the model.", stats.prefilled_tokens),
+            "cached_tokens_total": ("Prompt tokens restored from the prefix cache.", stats.cached_tokens),
+            "generation_tokens_total": (
+                "Tokens generated (cancelled requests included).",
+                stats.generation_tokens,
+            ),
+        }
+        histograms = {
+            name: Histogram(h.buckets, list(h.counts), h.sum, h.count)
+            for name, h in stats.histograms().items()
+        }
+    lines = [
+        f"# HELP {PREFIX}http_requests_total HTTP responses by endpoint and status code.",
+        f"# TYPE {PREFIX}http_requests_total counter",
+    ]
+    for (endpoint, status), n in sorted(http.snapshot().items()):
+        lines.append(f"{PREFIX}http_requests_total{_labels(endpoint=endpoint, status=status)} {n}")
+    lines += [
+        f"# HELP {PREFIX}requests_finished_total Engine requests by finish reason.",
+        f"# TYPE {PREFIX}requests_finished_total counter",
+    ]
+    for reason in sorted(set(finished) | {"stop", "length", "cancelled", "error"}):
+        lines.append(f"{PREFIX}requests_finished_total{_labels(reason=reason)} {finished.get(reason, 0)}")
+    for name, (help_text, value) in tokens.items():
+        lines += [
+            f"# HELP {PREFIX}{name} {help_text}",
+            f"# TYPE {PREFIX}{name} counter",
+            f"{PREFIX}{name} {value}",
+        ]
+    gauges = {
+        "queue_depth": ("Requests waiting to be scheduled.", engine.queue_depth),
+        "requests_running": ("Requests being prefilled or decoded.", engine.num_running),
+        "queue_limit": ("Most requests allowed to wait.", engine.max_queue),
+        "context_length": ("Most tokens per request.", engine.context_length),
+    }
+    for name, (help_text, value) in gauges.items():
+        lines += [
+            f"# HELP {PREFIX}{name} {help_text}",
+            f"# TYPE {PREFIX}{name} gauge",
+            f"{PREFIX}{name} {value}",
+        ]
+    for name, h in histograms.items():
+        _histogram(lines, PREFIX + name, _HISTOGRAM_HELP[name], h)
+    lines += [
+        f"# HELP {PREFIX}model_info The served model.",
+        f"# TYPE {PREFIX}model_info gauge",
+        f"{PREFIX}model_info{_labels(model=model_name)} 1",
+    ]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,229 @@
+"""The OpenAI-compatible wire format: request bodies, errors, and response / chunk builders.
+
+Request bodies are pydantic models that check types only; value ranges are checked once, by
+`SamplingParams`, so every bad value gets the same message whichever endpoint carried it. Unknown
+fields are ignored, as OpenAI clients send vendor extras freely. Responses are plain dicts: they are
+built per token while streaming, where pydantic would only add cost.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from hybridlm.engine import Completion, Event, SamplingParams, TokenLogprob, Usage
+from hybridlm.models.tokenizer import Tokenizer
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class _GenerationRequest(BaseModel):
+    """Fields both endpoints share (OpenAI's, plus vLLM's extras top_k, min_p, repetition_penalty,
+    stop_token_ids, ignore_eos, skip_special_tokens)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    n: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """Raises `InvalidParameter` naming the field (as `SamplingParams` names it)."""
+        given = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
+            "seed": self.seed,
+            "max_tokens": max_tokens,
+            "stop": self.stop,
+            "stop_token_ids": self.stop_token_ids,
+            "logprobs": logprobs,
+        }
+        return SamplingParams(
+            **{k: v for k, v in given.items() if v is not None},
+            ignore_eos=self.ignore_eos,
+            skip_special_tokens=self.skip_special_tokens,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    """`POST /v1/chat/completions`. `tools` and `chat_template_kwargs` (e.g. `enable_thinking`) are
+    handed to the chat template; tool calls in the output are not parsed."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class CompletionRequest(_GenerationRequest):
+    """`POST /v1/completions`: `prompt` is text or token ids (a one-element list of either is accepted)."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+
+
+def render_chat(tokenizer: Tokenizer, body: ChatCompletionRequest) -> str:
+    """The prompt text the chat template makes of the request (what transformers'
+    `apply_chat_template(messages, tools=..., add_generation_prompt=..., **chat_template_kwargs)` makes)."""
+    return tokenizer.apply_chat_template(
+        body.messages,
+        tools=body.tools,
+        add_generation_prompt=body.add_generation_prompt,
+        **(body.chat_template_kwargs or {}),
+    )
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage_body(usage: Usage) -> dict[str, Any]:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+    }
+
+
+class Responder:
+    """Builds one request's response objects (ids, timestamps and token texts shared by its chunks)."""
+
+    def __init__(self, kind: Literal["chat", "completion"], model: str, tokenizer: Tokenizer | None):
+        self.kind = kind
+        self.id = new_id("chatcmpl" if kind == "chat" else "cmpl")
+        self.created = int(time.time())
+        self.model = model
+        self.tokenizer = tokenizer
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else ""
+
+    def logprobs(
+        self, entries: tuple[TokenLogprob, ...] | list[TokenLogprob], offset: int = 0
+    ) -> dict | None:
+        """Chat: `{"content": [{token, logprob, bytes, top_logprobs}]}`; completions: the legacy
+        `{tokens, token_logprobs, top_logprobs, text_offset}` (offsets start at `offset` characters)."""
+        if self.kind == "chat":
+            content = []
+            for e in entries:
+                text = self._token_text(e.token_id)
+                top = [
+                    {"token": (t := self._token_text(i)), "logprob": lp, "bytes": list(t.encode())}
+                    for i, lp in e.top
+                ]
+                content.append(
+                    {"token": text, "logprob": e.logprob, "bytes": list(text.encode()), "top_logprobs": top}
+                )
+            return {"content": content}
+        tokens = [self._token_text(e.token_id) for e in entries]
+        offsets = []
+        for t in tokens:
+            offsets.append(offset)
+            offset += len(t)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{self._token_text(i): lp for i, lp in e.top} for e in entries],
+            "text_offset": offsets,
+        }
+
+    def response(self, result: Completion, want_logprobs: bool) -> dict[str, Any]:
+        """The non-streaming body."""
+        logprobs = self.logprobs(result.logprobs) if want_logprobs else None
+        if self.kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": result.text}}
+        else:
+            choice = {"index": 0, "text": result.text}
+        choice |= {
+            "logprobs": logprobs,
+            "finish_reason": result.finish_reason,
+            "stop_reason": result.stop_reason,
+        }
+        return {
+            "id": self.id,
+            "object": "chat.completion" if self.kind == "chat" else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "usage": usage_body(result.usage),
+        }
+
+    def chunk(
+        self, choices: list[dict[str, Any]], usage: Usage | None = None, with_usage: bool = False
+    ) -> dict:
+        """One streamed chunk; `with_usage` adds the `usage` key (null until the final usage chunk)."""
+        body = {
+            "id": self.id,
+            "object": "chat.completion.chunk" if self.kind == "chat" else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+        if with_usage:
+            body["usage"] = usage_body(usage) if usage is not None else None
+        return body
+
+    def delta_choice(self, event: Event, want_logprobs: bool, text_offset: int) -> dict[str, Any]:
+        logprobs = self.logprobs(event.logprobs, text_offset) if want_logprobs else None
+        if self.kind == "chat":
+            choice: dict[str, Any] = {"index": 0, "delta": {"content": event.text} if event.text else {}}
+        else:
+            choice = {"index": 0, "text": event.text}
+        choice |= {"logprobs": logprobs, "finish_reason": event.finish_reason}
+        if event.finished:
+            choice["stop_reason"] = event.stop_reason
+        return choice
