@@ -26,6 +26,8 @@ environment variables (a flag given on the command line wins):
   HYBRIDLM_MAX_QUEUE        --max-queue
   HYBRIDLM_CONTEXT_LENGTH   --context-length
   HYBRIDLM_GRACEFUL_TIMEOUT --graceful-timeout
+  HYBRIDLM_CACHE_RAM        --cache-ram
+  HYBRIDLM_PREFIX_CACHE     set to 0 for --no-prefix-cache
   HYBRIDLM_LOG_LEVEL        log level: DEBUG, INFO, WARNING (default), ERROR
   HYBRIDLM_DEMO_DIR         where the demo model is written (default ~/.cache/hybridlm/demo-model)
 """
@@ -56,7 +58,34 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
 
 
+def byte_size(text: str) -> int:
+    """'4G', '512MiB', '1.5GB', '1000000' -> bytes (binary multiples for K/M/G/T)."""
+    units = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+    t = text.strip().lower().removesuffix("ib").removesuffix("b")
+    unit = t[-1] if t and t[-1] in units else ""
+    try:
+        value = float(t[: len(t) - len(unit)])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (e.g. 4G, 512M)") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"byte size must be >= 0: {text!r}")
+    return int(value * units[unit])
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--cache-ram",
+        type=byte_size,
+        default=_env("HYBRIDLM_CACHE_RAM", "4G"),
+        help="byte budget of the prefix cache's snapshots in host memory, e.g. 4G, 512M (default 4G) "
+        "[env HYBRIDLM_CACHE_RAM]",
+    )
+    p.add_argument(
+        "--no-prefix-cache",
+        action="store_true",
+        default=_env("HYBRIDLM_PREFIX_CACHE", "1") == "0",
+        help="prefill every prompt from scratch (no reuse across requests) [env HYBRIDLM_PREFIX_CACHE=0]",
+    )
     p.add_argument(
         "--prefill-chunk",
         type=int,
@@ -99,13 +128,16 @@ def load(args):
 
 def make_engine(model, args):
     from hybridlm.engine import Engine
+    from hybridlm.prefix.cache import PrefixCache
 
+    prefix = None if args.no_prefix_cache else PrefixCache(model.lm, ram_budget=args.cache_ram)
     return Engine(
         model.lm,
         model.tokenizer,
         prefill_chunk=args.prefill_chunk,
         max_queue=getattr(args, "max_queue", 64),
         context_length=args.context_length,
+        prefix=prefix,
     )
 
 
@@ -218,6 +250,12 @@ def cmd_bench_forward(args) -> int:
     from hybridlm.bench import forward
 
     return forward.main(args)
+
+
+def cmd_bench_multiturn(args) -> int:
+    from hybridlm.bench import multiturn
+
+    return multiturn.main(args)
 
 
 def cmd_bench_serve(args) -> int:
@@ -375,6 +413,28 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--repeats", type=int, default=5, help="requests per side, alternating (default 5)")
     v.add_argument("--json", default=None, help="also write the report as JSON to this file")
     v.set_defaults(func=cmd_bench_serve)
+
+    m = bench.add_parser(
+        "multiturn",
+        help="prefix-cache reuse on seeded chat / agent traces",
+        description="Replay seeded synthetic traces (shared system prompt, growing histories, tool results, "
+        "rewritten tails, regenerations, edits, interleaved users) through the engine with the prefix "
+        "cache: prefilled tokens vs the oracle minimum, time to first token of cached and uncached "
+        "turns, bytes held; once with an unbounded budget and once with a quarter of the working set.",
+    )
+    add_model_args(m)
+    m.add_argument("--preset", choices=["qwen3.5-0.8b"], default=None, help="random checkpoint of this shape")
+    m.add_argument("--conversations", type=int, default=4, help="interleaved conversations (default 4)")
+    m.add_argument("--turns", type=int, default=5, help="turns per conversation (default 5)")
+    m.add_argument(
+        "--system-tokens", type=int, default=1024, help="shared system prompt length (default 1024)"
+    )
+    m.add_argument("--gen", type=int, default=16, help="tokens generated per turn (default 16)")
+    m.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per forward (default 512)")
+    m.add_argument("--seed", type=int, default=0, help="trace seed (default 0)")
+    m.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    m.add_argument("--json", default=None, help="also write the report as JSON to this file")
+    m.set_defaults(func=cmd_bench_multiturn)
     return parser
 
 

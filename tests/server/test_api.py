@@ -46,8 +46,19 @@ def test_chat_streaming_equals_non_streaming(client):
     assert text == whole.choices[0].message.content
     finishing = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finishing == [whole.choices[0].finish_reason]
-    assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == whole.usage.model_dump()
+    counts = ("prompt_tokens", "completion_tokens", "total_tokens")
+    last = chunks[-1]
+    assert last.choices == [] and all(getattr(last.usage, k) == getattr(whole.usage, k) for k in counts)
     assert all(c.usage is None for c in chunks[:-1])
+    # The same prompt a second time: everything but the seed token comes from the prefix cache.
+    prompt = whole.usage.prompt_tokens
+    assert last.usage.prompt_tokens_details.cached_tokens == prompt - 1
+    assert last.usage.cache == {
+        "cached_tokens": prompt - 1,
+        "replayed_tokens": 0,
+        "prefilled_tokens": 1,
+        "restore_ms": last.usage.cache["restore_ms"],
+    }
 
 
 def test_sse_wire_format_ends_with_done(server, auth):

@@ -46,6 +46,7 @@ from hybridlm.engine.stop import StopStrings
 from hybridlm.models.base import CausalLM
 from hybridlm.models.tokenizer import IncrementalDecoder, Tokenizer
 from hybridlm.ops.sampling import apply_penalties, sample, token_logprobs
+from hybridlm.prefix.cache import PrefixCache, Session
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +70,7 @@ class _Running:
     output_counts: torch.Tensor | None = None  # [1, V] float32, for presence / frequency penalties
     seen: torch.Tensor | None = None  # [1, V] bool, prompt ∪ output ids, for the repetition penalty
     cached_tokens: int = 0
+    session: Session | None = None  # the prefix-cache session holding this request's caches
     prefill_done: float | None = None
     first_token: float | None = None
 
@@ -80,7 +82,8 @@ class Engine:
     prefill_chunk: most prompt tokens per forward (bounds activation memory; cancellation is checked
         between chunks). max_queue: most requests waiting to be scheduled (`submit` raises `QueueFull`
         beyond). context_length: most tokens (prompt + output) per request; default the model's
-        `max_position_embeddings`.
+        `max_position_embeddings`. prefix: the prefix cache shared by all requests (None: every
+        request prefills its whole prompt into fresh caches).
     """
 
     max_running = 1  # requests advanced per step; continuous batching raises it
@@ -92,6 +95,7 @@ class Engine:
         prefill_chunk: int = 512,
         max_queue: int = 64,
         context_length: int | None = None,
+        prefix: PrefixCache | None = None,
     ):
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
@@ -101,6 +105,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.prefill_chunk = prefill_chunk
         self.max_queue = max_queue
+        self.prefix = prefix
         limit = int(model.config.get("max_position_embeddings") or 0)
         self.context_length = context_length or limit or 4096
         if self.context_length < 2:
@@ -284,6 +289,12 @@ class Engine:
                 with self._wake:
                     self._running.remove(running)
                 running.caches = []  # release the cache memory now, not when the handle dies
+                if running.session is not None:
+                    # A failed forward may have left layers at different offsets: drop that state.
+                    if event.finish_reason == ERROR:
+                        running.session.abandon()
+                    else:
+                        running.session.close()
             self._deliver(running.request, event)
 
     def _deliver(self, request: Request, event: Event) -> None:
@@ -299,18 +310,24 @@ class Engine:
         """Bring caches to the end of the prompt: (caches, [1, V] logits of the last prompt token or None
         when cancelled between chunks, cached_tokens).
 
-        This is where the prefix trie plugs in: `begin(prompt)` will restore the longest cached prefix
-        and only the remaining tokens are prefilled. Today: fresh caches, every token prefilled.
+        With a prefix cache, `begin(prompt)` restores the longest stored prefix and only the rest is
+        prefilled; a cancelled prefill still hands what it computed to the trie (a retry resumes).
         """
         ids = running.request.prompt_ids
-        caches = self.model.make_caches(1)
+        if self.prefix is None:
+            caches, start, session = self.model.make_caches(1), 0, None
+        else:
+            session = running.session = self.prefix.begin(ids)
+            caches, start = session.caches, session.offset
         logits = None
-        for start in range(0, len(ids), self.prefill_chunk):
+        for pos in range(start, len(ids), self.prefill_chunk):
             if running.request.cancelled:
-                return caches, None, 0
-            piece = ids[start : start + self.prefill_chunk]
-            logits = self.model(Batch.single(piece, offset=start, device=self.model.device), caches)
-        return caches, logits, 0
+                return caches, None, start
+            piece = ids[pos : pos + self.prefill_chunk]
+            logits = self.model(Batch.single(piece, offset=pos, device=self.model.device), caches)
+            if session is not None:
+                session.advance(piece)
+        return caches, logits, start
 
     def _advance(self, running: _Running) -> Event:
         request = running.request
@@ -327,6 +344,8 @@ class Engine:
             batch = Batch.single([token], offset=running.position, device=self.model.device)
             running.logits = self.model(batch, running.caches)
             running.position += 1
+            if running.session is not None:
+                running.session.advance([token])
         return self._next_token(running)
 
     def _next_token(self, running: _Running) -> Event:
@@ -416,7 +435,15 @@ class Engine:
         now = time.perf_counter()
         prompt = len(request.prompt_ids)
         prefilled = prompt - running.cached_tokens if running.prefill_done is not None else 0
-        usage = Usage(prompt, len(running.output_ids), running.cached_tokens, prefilled)
+        session = running.session
+        usage = Usage(
+            prompt,
+            len(running.output_ids),
+            running.cached_tokens,
+            prefilled,
+            session.replayed if session is not None else 0,
+            session.restore_ms if session is not None else 0.0,
+        )
         first = running.first_token
         timings = Timings(
             queue_ms=(running.started - request.arrival) * 1e3,

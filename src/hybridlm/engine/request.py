@@ -26,13 +26,17 @@ class TokenLogprob:
 
 @dataclass(frozen=True)
 class Usage:
-    """Token counts of one request. cached: prompt tokens restored from a cache (0 until the prefix trie);
-    prefilled: prompt tokens actually run through the model."""
+    """Token counts of one request. cached: prompt tokens restored from the prefix cache (not
+    recomputed by the model); replayed: of those, tokens recovered by replaying recurrent layers'
+    scan inputs; prefilled: prompt tokens actually run through the model; restore_ms: time to
+    restore the cached prefix."""
 
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
     prefilled_tokens: int = 0
+    replayed_tokens: int = 0
+    restore_ms: float = 0.0
 
     @property
     def total_tokens(self) -> int:

@@ -33,6 +33,8 @@ def _escape(value) -> str:
 
 
 def _labels(**labels) -> str:
+    if not labels:
+        return ""
     return "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items()) + "}"
 
 
@@ -103,9 +105,46 @@ def render(engine: Engine, http: HTTPStats, model_name: str) -> str:
         ]
     for name, h in histograms.items():
         _histogram(lines, PREFIX + name, _HISTOGRAM_HELP[name], h)
+    if engine.prefix is not None:
+        _prefix_cache(lines, engine.prefix)
     lines += [
         f"# HELP {PREFIX}model_info The served model.",
         f"# TYPE {PREFIX}model_info gauge",
         f"{PREFIX}model_info{_labels(model=model_name)} 1",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _prefix_cache(lines: list[str], prefix) -> None:
+    """Prefix-cache gauges and counters (read without the engine lock: a scrape may see one request's
+    update half done, which Prometheus tolerates)."""
+    stats = prefix.stats
+    gauges = {
+        "prefix_cache_bytes": (
+            "Bytes held by prefix-cache snapshots, by tier.",
+            [({"tier": "ram"}, prefix.nbytes)],
+        ),
+        "prefix_cache_nodes": ("Nodes in the prefix trie.", [({}, prefix.node_count)]),
+    }
+    counters = {
+        "prefix_cache_hits_total": ("Requests that reused a cached prefix.", [({}, stats.hits)]),
+        "prefix_cache_misses_total": (
+            "Requests that reused nothing: no shared prefix, or a shared prefix that could not be restored.",
+            [
+                ({"reason": "no_shared_prefix"}, stats.misses_no_prefix),
+                ({"reason": "not_restorable"}, stats.misses_unrestorable),
+            ],
+        ),
+        "prefix_cache_evicted_nodes_total": (
+            "Trie nodes deleted to keep the budget.",
+            [({}, stats.evicted_nodes)],
+        ),
+        "prefix_cache_compacted_snapshots_total": (
+            "Snapshots whose scan-input logs were dropped to keep the budget.",
+            [({}, stats.compacted_snapshots)],
+        ),
+    }
+    for kind, table in (("gauge", gauges), ("counter", counters)):
+        for name, (help_text, samples) in table.items():
+            lines += [f"# HELP {PREFIX}{name} {help_text}", f"# TYPE {PREFIX}{name} {kind}"]
+            lines += [f"{PREFIX}{name}{_labels(**labels)} {value}" for labels, value in samples]

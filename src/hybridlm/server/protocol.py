@@ -136,6 +136,12 @@ def usage_body(usage: Usage) -> dict[str, Any]:
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.total_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+        "cache": {
+            "cached_tokens": usage.cached_tokens,
+            "replayed_tokens": usage.replayed_tokens,
+            "prefilled_tokens": usage.prefilled_tokens,
+            "restore_ms": round(usage.restore_ms, 3),
+        },
     }
 
 
