@@ -134,14 +134,6 @@ def test_budget_holds_after_every_request(checkpoints):
     assert pc.stats.evicted_nodes + pc.stats.compacted_snapshots > 0
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    from tests.oracles.qwen3_5 import text
-
-    ckpt = text(tmp_path_factory.mktemp("tiny") / "m")
-    return load_model(ckpt.path, dtype=torch.float32, device="cpu")
-
-
 class PrefixMachine(RuleBasedStateMachine):
     """Random begin / prefill / generate / cancel / budget sequences against the oracle."""
 
@@ -210,3 +202,21 @@ def test_prefix_cache_state_machine(tiny_model):
         max_examples=15, stateful_step_count=12, deadline=None, suppress_health_check=list(HealthCheck)
     )
     run().runTest()
+
+
+def test_abandoned_session_resets_the_live_caches_and_keeps_the_trie(checkpoints):
+    """After a failed forward the engine abandons the session: the live caches restart at 0, the
+    trie still serves what was stored before, and results equal recomputation."""
+    model = load_model(checkpoints("qwen3_5_text").path, dtype=torch.float32, device="cpu")
+    pc = PrefixCache(model, plan=CapturePlan(cadence=16, tail=(1,)))
+    rng = random.Random(11)
+    first = tokens(rng, 40)
+    serve(pc, model, first, generate=2)
+    session = pc.begin(first + tokens(rng, 10))
+    model(Batch.single(session.remaining[:5], offset=session.offset), pc.caches)
+    session.abandon()
+    assert pc.live == [] and {pc.caches[i].offset for i in pc.layers} == {0}
+    again, logits = serve(pc, model, first + tokens(rng, 3), generate=1)
+    assert again.cached == len(first)
+    expected = full_logits_last(model, first + again.prompt[len(first) :])
+    assert (logits - expected).abs().max().item() <= 2e-5 * expected.abs().max().item()

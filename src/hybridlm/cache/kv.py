@@ -39,6 +39,38 @@ class RowsSnapshot(Snapshot):
         self.owner: KVCache | None = owner
         self.k, self.v = k, v
 
+    kind = "rows"
+
+    def to_state(self) -> tuple[dict, dict[str, torch.Tensor]]:
+        """What a store needs to rebuild this snapshot: JSON-able fields (kind, start, end, rows_start,
+        window) and tensors {"k", "v"}, the rows of `[rows_start, end)` as [B, H, end - rows_start, D].
+        A lazy snapshot's rows are copied out of the live buffer (compact clones, unaccounted and
+        transient); the snapshot itself is left as it was."""
+        self._check_open()
+        k, v = self.rows(self.rows_start, self.end)
+        if self.lazy:
+            k, v = k.clone(), v.clone()
+        fields = {
+            "kind": self.kind,
+            "start": self.start,
+            "end": self.end,
+            "rows_start": self.rows_start,
+            "window": self.window,
+        }
+        return fields, {"k": k, "v": v}
+
+    @classmethod
+    def from_state(cls, fields: dict, tensors: dict[str, torch.Tensor]) -> RowsSnapshot:
+        """The inverse of `to_state` (takes ownership of the tensors)."""
+        return cls(
+            fields["start"],
+            fields["end"],
+            fields["rows_start"],
+            fields["window"],
+            k=tensors["k"],
+            v=tensors["v"],
+        )
+
     @property
     def lazy(self) -> bool:
         return self.owner is not None

@@ -58,6 +58,22 @@ class ScanSnapshot(Snapshot):
         self.inputs, self.gates = inputs, gates
         self.tail, self.state = tail, state
 
+    kind = "scan"
+    TENSORS = ("inputs", "gates", "tail", "state")
+
+    def to_state(self) -> tuple[dict, dict[str, torch.Tensor]]:
+        """What a store needs to rebuild this snapshot: JSON-able fields (kind, start, end) and the
+        tensors it holds among inputs [B, n, C], gates [B, n, G], tail [B, K-1, C] and state
+        [B, H, Dk, Dv] (float32), n = end - start; absent ones are left out."""
+        self._check_open()
+        tensors = {name: getattr(self, name) for name in self.TENSORS if getattr(self, name) is not None}
+        return {"kind": self.kind, "start": self.start, "end": self.end}, tensors
+
+    @classmethod
+    def from_state(cls, fields: dict, tensors: dict[str, torch.Tensor]) -> ScanSnapshot:
+        """The inverse of `to_state` (takes ownership of the tensors)."""
+        return cls(fields["start"], fields["end"], *(tensors.get(name) for name in cls.TENSORS))
+
     @property
     def has_log(self) -> bool:
         return self.inputs is not None

@@ -3,7 +3,11 @@
 `begin(tokens)` restores the longest stored prefix — ending at any token, for every layer kind —
 into the live caches and returns a `Session`; the engine prefills the rest and decodes through
 the session, which records the tokens fed; `session.close()` attaches what was computed (also
-for a cancelled request) and keeps the byte budget.
+for a cancelled request) and keeps the byte budgets.
+
+Tiers: snapshots live in host RAM under `ram_budget`; with a `DiskTier`, nodes are demoted to one
+safetensors file each instead of being deleted, loaded back (promoted) when a restore uses them, and
+a new PrefixCache over the same directory and model rebuilds the trie from the files.
 
 Restore of layer l to target t along path nodes n_0..n_k (each covering [start, end)): start from
 the deepest node whose start the cache can already reach — a live rewind inside the common prefix
@@ -15,11 +19,14 @@ checkpoint, sliding rows covering the window) — then restore each node to its 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 
 from hybridlm.cache.base import LayerCache, Snapshot
-from hybridlm.cache.recurrent import ScanCache
+from hybridlm.cache.kv import KVCache, RowsSnapshot
+from hybridlm.cache.recurrent import ScanCache, ScanSnapshot
+from hybridlm.prefix.disk import CorruptFile, DiskTier, StoredNode, StoredSnapshot, monotonic_of, wall_clock
 from hybridlm.prefix.trie import Node, Trie
 
 log = logging.getLogger(__name__)
@@ -37,13 +44,23 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 @dataclass
 class CacheStats:
-    """Counters for /metrics."""
+    """Counters for /metrics (bytes and node counts per tier are properties of `PrefixCache`).
+
+    evicted_nodes: deleted for the RAM budget; disk_writes: nodes demoted to disk instead; disk_reads:
+    nodes loaded back; disk_evicted_nodes: deleted for the disk budget (or to make room on it);
+    disk_errors: files found unusable (ignored at start-up, or failing when read)."""
 
     hits: int = 0
     misses_no_prefix: int = 0
     misses_unrestorable: int = 0
     evicted_nodes: int = 0
     compacted_snapshots: int = 0
+    disk_writes: int = 0
+    disk_written_bytes: int = 0
+    disk_reads: int = 0
+    disk_read_bytes: int = 0
+    disk_evicted_nodes: int = 0
+    disk_errors: int = 0
 
 
 @dataclass
@@ -98,14 +115,29 @@ class Session:
             self.closed = True
             self.owner._close(self)
 
+    def abandon(self) -> None:
+        """Drop this session's work and reset the live caches (after a failed forward, whose
+        layers may stand at different offsets); the trie keeps everything stored before."""
+        if not self.closed:
+            self.closed = True
+            self.owner._abandon(self)
+
 
 class PrefixCache:
     """The shared trie plus the live caches of one model (one session at a time).
 
-    ram_budget: bytes of snapshots held in host memory (None: unbounded).
+    ram_budget: bytes of snapshots held in host memory (None: unbounded). disk: an optional
+    `DiskTier` (a directory with its own byte budget) for demoted nodes; the files it already holds
+    for this model are adopted on construction (restart reuse).
     """
 
-    def __init__(self, model, ram_budget: int | None = None, plan: CapturePlan | None = None):
+    def __init__(
+        self,
+        model,
+        ram_budget: int | None = None,
+        plan: CapturePlan | None = None,
+        disk: DiskTier | None = None,
+    ):
         self.model = model
         self.caches: list[LayerCache | None] = model.make_caches(1)
         for cache in self.caches:
@@ -117,17 +149,39 @@ class PrefixCache:
         self.ram_budget = ram_budget
         self.plan = plan or CapturePlan()
         self.stats = CacheStats()
+        self.disk = disk
         self._session: Session | None = None
+        if disk is not None:
+            self._adopt()
+            self.enforce_budget()
 
     # ---- accounting ----------------------------------------------------------------------
     @property
     def nbytes(self) -> int:
-        """Bytes owned by snapshots in the trie (lazy rows of the live buffers count 0)."""
+        """Bytes owned by snapshots in the trie in RAM (lazy rows of the live buffers count 0)."""
         return sum(node.nbytes for node in self.trie.nodes())
+
+    @property
+    def ram_bytes(self) -> int:
+        """Bytes of snapshots in host RAM (= `nbytes`)."""
+        return self.nbytes
+
+    @property
+    def disk_bytes(self) -> int:
+        """Bytes of this cache's files on the disk tier (0 without one)."""
+        return 0 if self.disk is None else self.disk.nbytes
 
     @property
     def node_count(self) -> int:
         return sum(1 for _ in self.trie.nodes())
+
+    @property
+    def ram_nodes(self) -> int:
+        return sum(1 for n in self.trie.nodes() if not n.on_disk)
+
+    @property
+    def disk_nodes(self) -> int:
+        return sum(1 for n in self.trie.nodes() if n.on_disk)
 
     # ---- begin: match and restore --------------------------------------------------------
     def begin(self, tokens: list[int]) -> Session:
@@ -138,9 +192,8 @@ class PrefixCache:
             self._session.close()
         t0 = time.perf_counter()
         keep = tokens[: len(tokens) - 1]
-        path, matched = self.trie.match(keep)
         common = common_prefix(self.live, keep)
-        target, replayed = self._restore_best(path, matched, common)
+        path, matched, target, replayed = self._restore_best(keep, common)
         if target > 0:
             self.stats.hits += 1
         elif matched > 0:
@@ -160,21 +213,39 @@ class PrefixCache:
         offsets = self.plan.offsets(target, len(tokens))
         for i in self.layers:
             self.caches[i].prepare_snapshots(offsets, ranges=True)
+        # Nodes loaded from disk (and rows copied out of the live buffers) may have grown RAM.
+        self.enforce_budget()
         return session
 
-    def _restore_best(self, path: list[Node], matched: int, common: int) -> tuple[int, int]:
+    def _restore_best(self, keep: list[int], common: int) -> tuple[list[Node], int, int, int]:
         """Restore every layer to the largest reachable target ≤ max(matched, common), where the
-        trie path agrees with the prompt up to `matched` and the live caches up to `common`;
-        returns (target, replayed)."""
+        trie agrees with `keep` up to `matched` and the live caches up to `common`; returns (path,
+        matched, target, replayed). Planning works on disk nodes' stand-ins; the nodes the chosen
+        plan uses are then loaded (promoted to RAM) and the plan made again on the real snapshots
+        (same reachability, so the same plan). A node that fails to load is dropped with its
+        subtree, which changes the match: start over."""
+        while True:
+            path, matched = self.trie.match(keep)
+            target, plans = self._choose(path, matched, common)
+            used = {id(snap) for steps in plans for snap, _ in steps}
+            stored = [n for n in path if n.on_disk and any(id(s) in used for s in n.snaps)]
+            if not stored:
+                replayed = 0
+                for i, steps in zip(self.layers, plans, strict=True):
+                    replayed = max(replayed, self._execute(i, steps))
+                return path, matched, target, replayed
+            for node in stored:
+                if not self._load(node):
+                    break
+
+    def _choose(self, path: list[Node], matched: int, common: int) -> tuple[int, list]:
+        """The largest target ≤ max(matched, common) every layer can reach, and each layer's plan."""
         want = max(matched, common)
         candidates = sorted({want, matched, common, *(n.end for n in path if n.end < want), 0}, reverse=True)
         for t in candidates:
             plans = [self._plan(i, path, t, matched, common) for i in self.layers]
             if all(p is not None for p in plans):
-                replayed = 0
-                for i, steps in zip(self.layers, plans, strict=True):
-                    replayed = max(replayed, self._execute(i, steps))
-                return t, replayed
+                return t, plans
         raise AssertionError("offset 0 is always reachable")
 
     def _plan(self, layer: int, path: list[Node], t: int, matched: int, common: int):
@@ -237,9 +308,21 @@ class PrefixCache:
         self._session = None
         self.enforce_budget()
 
+    def _abandon(self, session: Session) -> None:
+        for i in self.layers:
+            for snap in self.caches[i].take_snapshots():
+                snap.free()
+            self.caches[i].free()
+            self.caches[i].record = True
+        self.live = []
+        self._session = None
+
     def _insert(self, fed: list[int], bounds: list[int], pieces: list[list[Snapshot | None]]) -> None:
         """Attach pieces [bounds[k], bounds[k+1]) of `fed` below what the trie already stores."""
         path, stored = self.trie.match(fed)
+        if path and stored < path[-1].end and path[-1].on_disk and not self._load(path[-1]):
+            # The edge to split could not be loaded and is gone: attach below its parent instead.
+            path, stored = self.trie.match(fed)
         if path and path[-1].start < stored < path[-1].end:
             parent = self.trie.split(path[-1], stored, self.caches)
         else:
@@ -267,26 +350,41 @@ class PrefixCache:
         return {n.id for n in path}
 
     def enforce_budget(self) -> None:
-        """Keep the snapshots inside the budget, cheapest loss first: drop scan-input logs of nodes
-        off the live path (their interior offsets become unreachable, their ends stay), delete
-        leaves off the live path, then the same on the live path (its state is still in the
-        live caches; only future reuse is lost). Least valuable nodes go first."""
-        if self.ram_budget is None:
-            return
-        total = self.nbytes
+        """Keep the snapshots inside both budgets.
+
+        RAM, cheapest loss first, off the live path and then on it (its state is still in the live
+        caches; only future reuse is at stake): demote nodes into free disk space (nothing is lost),
+        drop scan-input logs (interior offsets become unreachable, ends stay), demote nodes in place
+        of less valuable disk leaves, delete (what the disk could not take). Least valuable nodes go
+        first at every step. (That order was measured against compacting first and against
+        demoting first: docs/architecture.md, "Prefix trie".) Disk: delete the least valuable disk
+        leaves (a disk node with RAM nodes below it goes with its subtree, only if no disk leaf is
+        left)."""
         protected = self.live_path()
-        for on_live_path in (False, True):
-            if total <= self.ram_budget:
-                return
-            total = self._compact(total, lambda n, p=on_live_path: (n.id in protected) == p)
-            total = self._delete_leaves(total, lambda n, p=on_live_path: (n.id in protected) == p)
+        if self.ram_budget is not None:
+            total = self.nbytes
+            for on_live_path in (False, True):
+                if total <= self.ram_budget:
+                    break
+                eligible = lambda n, p=on_live_path: (n.id in protected) == p
+                total = self._demote(total, eligible, displace=False)
+                total = self._compact(total, eligible)
+                total = self._demote(total, eligible, displace=True)
+                total = self._delete(total, eligible)
+        if self.disk is not None:
+            now = time.monotonic()
+            while self.disk.nbytes > self.disk.budget:
+                stored = [n for n in self.trie.nodes() if n.on_disk]
+                leaves = [n for n in stored if not n.children]
+                victim = min(leaves or stored, key=lambda n: self._value(n, now))
+                self.stats.disk_evicted_nodes += self._remove_subtree(victim)
 
     def _compact(self, total: int, eligible) -> int:
         now = time.monotonic()
         for node in sorted(self.trie.nodes(), key=lambda n: self._value(n, now)):
             if total <= self.ram_budget:
                 break
-            if not eligible(node):
+            if not eligible(node) or node.on_disk:
                 continue
             before = node.nbytes
             node.snaps = [None if s is None else self.caches[i].compact(s) for i, s in enumerate(node.snaps)]
@@ -295,22 +393,190 @@ class PrefixCache:
                 total -= before - node.nbytes
         return total
 
-    def _delete_leaves(self, total: int, eligible) -> int:
+    def _demote(self, total: int, eligible, displace: bool) -> int:
+        """Move RAM nodes to disk, least valuable first, until `total` fits the RAM budget; only into
+        free disk space unless `displace` (then less valuable disk leaves make room)."""
+        if self.disk is None or total <= self.ram_budget:
+            return total
         now = time.monotonic()
-        while total > self.ram_budget:
-            leaves = [n for n in self.trie.nodes() if not n.children and eligible(n)]
-            if not leaves:
+        # Nodes owning no bytes (lazy rows still in the live buffers) would free nothing.
+        nodes = [n for n in self.trie.nodes() if eligible(n) and not n.on_disk and n.nbytes]
+        for node in sorted(nodes, key=lambda n: self._value(n, now)):
+            if total <= self.ram_budget:
                 break
-            victim = min(leaves, key=lambda n: self._value(n, now))
-            total -= victim.nbytes
-            self.trie.remove_leaf(victim)
-            self.stats.evicted_nodes += 1
+            before = node.nbytes
+            if self._store(node, now, displace):
+                total -= before
         return total
 
-    @staticmethod
-    def _value(node: Node, now: float) -> float:
-        """Recompute work saved per byte held, decayed by idle time: tokens / bytes / (1 + idle/5min)."""
-        return len(node.tokens) / max(node.nbytes, 1) / (1.0 + (now - node.last_used) / 300.0)
+    def _delete(self, total: int, eligible) -> int:
+        """Delete RAM nodes, least valuable first, until `total` fits the RAM budget: leaves first,
+        then nodes with only disk nodes below them (those go too: the disk could not take them)."""
+        now = time.monotonic()
+        while total > self.ram_budget:
+            ram_below: dict[int, bool] = {}
+            for n in reversed(list(self.trie.nodes())):  # children before parents
+                ram_below[n.id] = any(not c.on_disk or ram_below[c.id] for c in n.children.values())
+            victims = [n for n in self.trie.nodes() if eligible(n) and not n.on_disk and not ram_below[n.id]]
+            if not victims:
+                break
+            victim = min(victims, key=lambda n: (bool(n.children), self._value(n, now)))
+            total -= victim.nbytes
+            self.stats.evicted_nodes += self._remove_subtree(victim)
+        return total
+
+    def _value(self, node: Node, now: float, nbytes: int | None = None) -> float:
+        """Recompute work saved per byte held, decayed by idle time: tokens / bytes / (1 + idle/5min).
+        Bytes are the node's tier's (its file on disk, its snapshots in RAM) unless given."""
+        if nbytes is None:
+            nbytes = node.file_bytes if node.on_disk else node.nbytes
+        return len(node.tokens) / max(nbytes, 1) / (1.0 + (now - node.last_used) / 300.0)
+
+    def _remove_leaf(self, node: Node) -> None:
+        if node.on_disk:
+            self.disk.delete(node.file)
+        self.trie.remove_leaf(node)
+
+    def _remove_subtree(self, node: Node) -> int:
+        """Delete `node` and every node below it (snapshots freed, files deleted); returns how many."""
+        below = [node]
+        for n in below:
+            below.extend(n.children.values())
+        for n in reversed(below):  # children before parents: each is a leaf when removed
+            self._remove_leaf(n)
+        return len(below)
+
+    # ---- the disk tier -------------------------------------------------------------------
+    def persist(self) -> int:
+        """Write every node held in RAM to the disk tier, most valuable first, as far as the disk
+        budget allows (e.g. at shutdown, so that a restart over the same directory reuses them).
+        Returns the number of nodes written."""
+        if self.disk is None:
+            return 0
+        now = time.monotonic()
+        nodes = sorted(
+            (n for n in self.trie.nodes() if not n.on_disk), key=lambda n: self._value(n, now), reverse=True
+        )
+        return sum(self._store(node, now, displace=True) for node in nodes)
+
+    def _store(self, node: Node, now: float, displace: bool) -> bool:
+        """Demote `node`: write its snapshots to one file and keep stand-ins in the trie. It goes into
+        free disk space, or with `displace` in place of less valuable disk nodes. False (nothing
+        changed) when there is no such room or the write fails."""
+        tokens = [t for n in node.path() for t in n.tokens]
+        snaps = {i: node.snaps[i] for i in self.layers}
+        floor = lambda nbytes: self._value(node, now, nbytes) if displace else -math.inf
+        room = lambda nbytes, evict: self._disk_room(nbytes, floor(nbytes), now, evict)
+        stored = self.disk.write(tokens, node.start, wall_clock(node.last_used), snaps, room)
+        if stored is None:
+            return False
+        _free_all(node.snaps)
+        node.snaps = [
+            StoredSnapshot(stored.layers[i]) if i in stored.layers else None for i in range(len(node.snaps))
+        ]
+        node.file, node.file_bytes = stored.name, stored.nbytes
+        self.stats.disk_writes += 1
+        self.stats.disk_written_bytes += stored.nbytes
+        return True
+
+    def _disk_room(self, nbytes: int, floor: float, now: float, evict: bool) -> bool:
+        """Whether `nbytes` more fit the disk budget once disk nodes less valuable than `floor` are
+        deleted (leaves first); with `evict`, delete them, least valuable first, until it fits."""
+        budget = self.disk.budget
+        if self.disk.nbytes + nbytes <= budget:
+            return True
+        # A disk node can go only after everything below it: those whose whole subtree is cheap disk nodes.
+        order = list(self.trie.nodes())
+        cheap: dict[int, bool] = {}
+        for n in reversed(order):
+            cheap[n.id] = (
+                n.on_disk and self._value(n, now) < floor and all(cheap[c.id] for c in n.children.values())
+            )
+        reclaimable = sum(n.file_bytes for n in order if cheap[n.id])
+        if self.disk.nbytes - reclaimable + nbytes > budget:
+            return False
+        while evict and self.disk.nbytes + nbytes > budget:
+            leaves = [n for n in self.trie.nodes() if cheap.get(n.id) and not n.children]
+            self._remove_leaf(min(leaves, key=lambda n: self._value(n, now)))
+            self.stats.disk_evicted_nodes += 1
+        return True
+
+    def _load(self, node: Node) -> bool:
+        """Promote a disk node: read its file back into RAM snapshots and delete the file (a node
+        lives in one tier). A file that fails is dropped with its subtree (logged); returns False."""
+        try:
+            snaps = self.disk.read(node.file, self.model.device)
+            if sorted(snaps) != self.layers or any(
+                (s.start, s.end) != (node.start, node.end) for s in snaps.values()
+            ):
+                raise CorruptFile("its snapshots do not cover this node")
+        except CorruptFile as e:
+            self.stats.disk_errors += 1
+            log.warning(
+                "prefix cache: %s is unusable (%s); dropped it and the nodes below it",
+                self.disk.directory / node.file,
+                e,
+            )
+            self._remove_subtree(node)
+            return False
+        self.stats.disk_reads += 1
+        self.stats.disk_read_bytes += node.file_bytes
+        _free_all(node.snaps)
+        self.disk.delete(node.file)
+        node.snaps = [snaps.get(i) for i in range(len(self.caches))]
+        node.file, node.file_bytes = None, 0
+        return True
+
+    def _adopt(self) -> None:
+        """Rebuild the trie from the disk tier's files for this model (all nodes on disk, none live).
+        Files of another model or format, and unreadable ones, are ignored and kept (they are not
+        provably ours); this model's files that cannot be used (cut short, their parent's file
+        missing, their edge already held by another file, layers that do not match) are deleted.
+        One warning sums up what was ignored."""
+        found, ignored = self.disk.scan()
+        for stored in found:  # parents before children
+            problem = self._place(stored)
+            if problem is not None:
+                self.disk.delete(stored.name)
+                ignored.append(f"{stored.name}: {problem}; deleted")
+        self.stats.disk_errors += len(ignored)
+        if ignored:
+            shown = "; ".join(ignored[:5]) + ("; ..." if len(ignored) > 5 else "")
+            log.warning(
+                "prefix cache: ignored %d file(s) in %s: %s", len(ignored), self.disk.directory, shown
+            )
+
+    def _place(self, stored: StoredNode) -> str | None:
+        """Attach a file's node to the trie, on disk; returns why it cannot be, or None."""
+        end = len(stored.tokens)
+        if not 0 <= stored.start < end:
+            return "empty edge"
+        if sorted(stored.layers) != self.layers:
+            return "its layers are not the model's"
+        try:
+            for i, fields in stored.layers.items():
+                cache = self.caches[i]
+                kind = RowsSnapshot.kind if isinstance(cache, KVCache) else ScanSnapshot.kind
+                if fields["kind"] != kind or (fields["start"], fields["end"]) != (stored.start, end):
+                    return f"layer {i} is not the model's layer or does not cover the edge"
+                if kind == RowsSnapshot.kind and fields["window"] != cache.window:
+                    return f"layer {i} has another window"
+            stubs = [
+                StoredSnapshot(stored.layers[i]) if i in stored.layers else None
+                for i in range(len(self.caches))
+            ]
+        except (KeyError, TypeError, ValueError) as e:
+            return f"unreadable layer fields ({e!r})"
+        path, matched = self.trie.match(stored.tokens[: stored.start])
+        parent = path[-1] if path else self.trie.root
+        if matched != stored.start or parent.end != stored.start:
+            return "its parent is not stored"
+        if stored.tokens[stored.start] in parent.children:
+            return "another file holds its edge"
+        node = self.trie.attach(parent, stored.tokens[stored.start :], stubs)
+        node.file, node.file_bytes = stored.name, stored.nbytes
+        node.last_used = monotonic_of(stored.last_used)
+        return None
 
 
 def _free_all(snaps: list[Snapshot | None]) -> None:

@@ -18,7 +18,10 @@ _ids = itertools.count()
 @dataclass(eq=False)
 class Node:
     """Edge `tokens` = positions [start, start + len(tokens)); `snaps[l]` covers the same range for
-    stateful layer l (None for stateless layers; the root has no edge and no snapshots)."""
+    stateful layer l (None for stateless layers; the root has no edge and no snapshots).
+
+    A node on the disk tier has `file` set (its file's name, `file_bytes` its size) and holds
+    stand-ins (`StoredSnapshot`, 0 RAM bytes) in `snaps` until it is loaded back."""
 
     tokens: list[int]
     start: int
@@ -27,6 +30,8 @@ class Node:
     children: dict[int, Node] = field(default_factory=dict)
     last_used: float = field(default_factory=time.monotonic)
     id: int = field(default_factory=lambda: next(_ids))
+    file: str | None = None
+    file_bytes: int = 0
 
     @property
     def end(self) -> int:
@@ -34,7 +39,12 @@ class Node:
 
     @property
     def nbytes(self) -> int:
+        """RAM bytes owned by the snapshots (0 on the disk tier)."""
         return sum(s.nbytes for s in self.snaps if s is not None)
+
+    @property
+    def on_disk(self) -> bool:
+        return self.file is not None
 
     def path(self) -> list[Node]:
         """Nodes from the root's first child down to this node."""

@@ -332,5 +332,8 @@ def serve(
         server.run()
     finally:
         engine.close()
+        if engine.prefix is not None:
+            # Keep what the cache holds for the next start over the same --cache-dir.
+            engine.prefix.persist()
         for sig, handler in previous.items():
             signal.signal(sig, handler)

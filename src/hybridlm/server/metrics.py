@@ -107,6 +107,8 @@ def render(engine: Engine, http: HTTPStats, model_name: str) -> str:
         _histogram(lines, PREFIX + name, _HISTOGRAM_HELP[name], h)
     if engine.prefix is not None:
         _prefix_cache(lines, engine.prefix)
+    if engine.speculative is not None:
+        _speculative(lines, engine.speculative)
     lines += [
         f"# HELP {PREFIX}model_info The served model.",
         f"# TYPE {PREFIX}model_info gauge",
@@ -122,9 +124,12 @@ def _prefix_cache(lines: list[str], prefix) -> None:
     gauges = {
         "prefix_cache_bytes": (
             "Bytes held by prefix-cache snapshots, by tier.",
-            [({"tier": "ram"}, prefix.nbytes)],
+            [({"tier": "ram"}, prefix.ram_bytes), ({"tier": "disk"}, prefix.disk_bytes)],
         ),
-        "prefix_cache_nodes": ("Nodes in the prefix trie.", [({}, prefix.node_count)]),
+        "prefix_cache_nodes": (
+            "Nodes in the prefix trie, by tier.",
+            [({"tier": "ram"}, prefix.ram_nodes), ({"tier": "disk"}, prefix.disk_nodes)],
+        ),
     }
     counters = {
         "prefix_cache_hits_total": ("Requests that reused a cached prefix.", [({}, stats.hits)]),
@@ -139,6 +144,9 @@ def _prefix_cache(lines: list[str], prefix) -> None:
             "Trie nodes deleted to keep the budget.",
             [({}, stats.evicted_nodes)],
         ),
+        "prefix_cache_disk_writes_total": ("Nodes demoted to the disk tier.", [({}, stats.disk_writes)]),
+        "prefix_cache_disk_reads_total": ("Nodes loaded back from the disk tier.", [({}, stats.disk_reads)]),
+        "prefix_cache_disk_errors_total": ("Disk-tier files found unusable.", [({}, stats.disk_errors)]),
         "prefix_cache_compacted_snapshots_total": (
             "Snapshots whose scan-input logs were dropped to keep the budget.",
             [({}, stats.compacted_snapshots)],
@@ -148,3 +156,26 @@ def _prefix_cache(lines: list[str], prefix) -> None:
         for name, (help_text, samples) in table.items():
             lines += [f"# HELP {PREFIX}{name} {help_text}", f"# TYPE {PREFIX}{name} {kind}"]
             lines += [f"{PREFIX}{name}{_labels(**labels)} {value}" for labels, value in samples]
+
+
+def _speculative(lines: list[str], speculator) -> None:
+    """Speculative decoding counters and the controller's acceptance estimate (read unlocked, like
+    the prefix cache's)."""
+    totals = speculator.totals
+    counters = {
+        "speculative_drafted_tokens_total": ("Draft tokens verified by the target.", totals.drafted_tokens),
+        "speculative_accepted_tokens_total": ("Draft tokens accepted.", totals.accepted_tokens),
+        "speculative_verify_passes_total": ("Target forwards that verified a draft.", totals.verify_passes),
+    }
+    for name, (help_text, value) in counters.items():
+        lines += [
+            f"# HELP {PREFIX}{name} {help_text}",
+            f"# TYPE {PREFIX}{name} counter",
+            f"{PREFIX}{name} {value}",
+        ]
+    name = f"{PREFIX}speculative_acceptance_rate"
+    lines += [
+        f"# HELP {name} Recent per-position draft acceptance rate across requests (controller estimate).",
+        f"# TYPE {name} gauge",
+        f"{name} {speculator.controller.acceptance!r}",
+    ]
