@@ -39,7 +39,47 @@ QWEN3_5_0_8B = {
     "eos_token_id": 248044,
 }
 
-PRESETS = {"qwen3.5-0.8b": QWEN3_5_0_8B}
+# LFM2-350M's published shape: short-conv hybrid, 16 layers (6 attention).
+LFM2_350M = {
+    "model_type": "lfm2",
+    "vocab_size": 65536,
+    "hidden_size": 1024,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "block_ff_dim": 6656,
+    "block_auto_adjust_ff_dim": True,
+    "block_ffn_dim_multiplier": 1.0,
+    "block_multiple_of": 256,
+    "conv_L_cache": 3,
+    "conv_bias": False,
+    "full_attn_idxs": [2, 5, 8, 10, 12, 14],
+    "rope_theta": 1000000.0,
+    "norm_eps": 1e-5,
+    "max_position_embeddings": 128000,
+    "tie_embedding": True,
+}
+
+# Gemma 3 270M's published text shape: 5 sliding-window (512) layers per global layer.
+GEMMA3_270M = {
+    "model_type": "gemma3_text",
+    "vocab_size": 262144,
+    "hidden_size": 640,
+    "intermediate_size": 2048,
+    "num_hidden_layers": 18,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 256,
+    "sliding_window": 512,
+    "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 3,
+    "query_pre_attn_scalar": 256,
+    "rope_theta": 1000000.0,
+    "rope_local_base_freq": 10000.0,
+    "max_position_embeddings": 32768,
+    "tie_word_embeddings": True,
+}
+
+PRESETS = {"qwen3.5-0.8b": QWEN3_5_0_8B, "lfm2-350m": LFM2_350M, "gemma3-270m": GEMMA3_270M}
 
 
 def random_state(config: dict, seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
