@@ -38,7 +38,7 @@ def _best_seconds(fn: Callable[[], object], device: torch.device, budget_s: floa
     return best
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _bandwidth(device: torch.device, threads: int) -> float:
     # Far larger than any last-level cache, so reads come from DRAM/HBM as decode's do.
     nbytes = (1 << 30) if device.type == "cuda" else (512 << 20)
@@ -46,7 +46,7 @@ def _bandwidth(device: torch.device, threads: int) -> float:
     return nbytes / _best_seconds(lambda: torch.dot(x, x), device) / 1e9
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _tflops(dtype: torch.dtype, device: torch.device, threads: int) -> float:
     n = 4096 if device.type == "cuda" else 2048
     a = torch.randn(n, n, device=device).to(dtype)

@@ -1,8 +1,9 @@
 """Linear layer with a fast bf16 matrix-vector path for CPU decode.
 
 Decode on CPU is bound by how fast the weights stream from memory. ``F.linear`` with a single
-bf16 row goes through oneDNN and moves only ~16-20 GB/s of weights on 2 cores, about half of
-what the memory delivers. For inputs with at most ``MAX_FAST_ROWS`` rows and bf16 CPU tensors,
+bf16 row goes through oneDNN and moves ~18-23 GB/s of weights on 2 cores where a plain read
+reaches ~30 GB/s; this kernel moves ~28-29 GB/s (benchmarks/matvec.py). For inputs with at most
+``MAX_FAST_ROWS`` rows and bf16 CPU tensors,
 ``linear`` instead calls a small C kernel (compiled with the system C compiler on first use and
 cached on disk) that reads every weight row exactly once for all input rows, accumulates in fp32
 and rounds the result to bf16 once, like ``F.linear``. Everything else -- CUDA, fp32 weights
@@ -30,13 +31,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["MAX_FAST_ROWS", "Linear", "fast_path_available", "linear", "quantize_int8_"]
+__all__ = ["MAX_FAST_ROWS", "Int8Linear", "Linear", "fast_path_available", "linear", "quantize_int8_"]
 
 logger = logging.getLogger(__name__)
 
-# Up to this many input rows the kernel beats oneDNN (measured on 2 cores, see
-# benchmarks/matvec.py): it streams the weight once for all rows, while oneDNN's small-M GEMM
-# stays at F.linear's single-row bandwidth. Decode is 1 row, speculative verify 2-9.
+# Up to this many input rows the kernel beats oneDNN (2 cores, benchmarks/matvec.py): at 4 rows
+# ~24 GB/s against ~18. Each row costs two fp32 FMAs per weight pair, so from 5 rows on the kernel
+# is compute-bound and oneDNN's AMX GEMM, flat at ~18 GB/s for any row count, is as fast.
+# Decode is 1 row; speculative verify 2-9.
 MAX_FAST_ROWS = 4
 
 # y[m, n] = bf16(sum_k x[m, k] * w[n, k] + bias[n]) with x, w, bias, y bf16 and fp32 accumulation.
@@ -56,12 +58,14 @@ typedef float f32x8 __attribute__((vector_size(32)));
 typedef float f32x4 __attribute__((vector_size(16)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
 #define RB 4
-#define MC 4
+#define MC 4  /* = MAX_FAST_ROWS, so one pass; more rows take several passes over a cached block */
 #define PREFETCH_BYTES 16384
 
 static inline u32x16 load_u32x16(const void* p) { u32x16 v; memcpy(&v, p, sizeof v); return v; }
 static inline f32x16 load_f32x16(const float* p) { f32x16 v; memcpy(&v, p, sizeof v); return v; }
-static inline float bf16_to_f32(uint16_t v) { uint32_t u = (uint32_t)v << 16; float f; memcpy(&f, &u, 4); return f; }
+static inline float bf16_to_f32(uint16_t v) {
+    uint32_t u = (uint32_t)v << 16; float f; memcpy(&f, &u, 4); return f;
+}
 static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, keep NaN a NaN */
     uint32_t u; memcpy(&u, &f, 4);
     if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
@@ -140,7 +144,8 @@ int hybridlm_linear_bf16(const uint16_t* x, int64_t M, const uint16_t* w, const 
         for (int64_t k = K32; k < K; k++) dst[k] = bf16_to_f32(src[k]);
     }
     const int64_t nblocks = (N + RB - 1) / RB;
-    #pragma omp parallel for schedule(static) num_threads(nthreads)
+    /* Below ~128 KiB of weights a second thread costs more to wake than it saves. */
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (N * K >= 65536)
     for (int64_t b = 0; b < nblocks; b++) {
         const int64_t n0 = b * RB;
         const int rb = N - n0 < RB ? (int)(N - n0) : RB;
@@ -165,29 +170,28 @@ _CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 
 
 class _KernelState:
-    """The lazily built kernel: ``fn`` once loaded, ``failed`` once building it failed."""
+    """The lazily built kernel: ``fn`` once ``resolved`` (None when disabled or unbuildable)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
+        self.resolved = False
         self.fn: ctypes._CFuncPtr | None = None
-        self.failed = False
 
 
 _state = _KernelState()
 
 
 def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    path = Path(base) / "hybridlm"
-    try:
-        path.mkdir(parents=True, exist_ok=True)
+    """``$HYBRIDLM_CACHE_DIR/kernels`` (default ``~/.cache/hybridlm``), else a per-user temp dir."""
+    base = Path(os.environ.get("HYBRIDLM_CACHE_DIR") or Path.home() / ".cache" / "hybridlm")
+    for path in (base / "kernels", Path(tempfile.gettempdir()) / f"hybridlm-{os.getuid()}"):
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            continue
         if os.access(path, os.W_OK):
             return path
-    except OSError:
-        pass
-    path = Path(tempfile.gettempdir()) / f"hybridlm-{os.getuid()}"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    raise RuntimeError(f"no writable directory for the compiled kernel (tried {base / 'kernels'})")
 
 
 def _cpu_signature() -> str:
@@ -206,9 +210,8 @@ def _build() -> ctypes._CFuncPtr:
     if cc is None:
         raise RuntimeError("no C compiler found (set CC)")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256(
-        "\0".join([_KERNEL_SOURCE, cc, version, " ".join(_CFLAGS), platform.machine(), _cpu_signature()]).encode()
-    ).hexdigest()[:16]
+    parts = [_KERNEL_SOURCE, cc, version, " ".join(_CFLAGS), platform.machine(), _cpu_signature()]
+    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
     lib_path = _cache_dir() / f"linear_bf16-{key}.so"
     if not lib_path.exists():
         with tempfile.TemporaryDirectory(dir=lib_path.parent) as tmp:
@@ -228,48 +231,48 @@ def _build() -> ctypes._CFuncPtr:
 
 
 def _kernel() -> ctypes._CFuncPtr | None:
-    """The bf16 kernel, building it on first use; None when disabled or unavailable."""
-    if os.environ.get("HYBRIDLM_COMPILE", "1") == "0":
-        return None
-    if _state.fn is None and not _state.failed:
+    """The bf16 kernel, built on first use; None when HYBRIDLM_COMPILE=0 or the build failed."""
+    if not _state.resolved:
         with _state.lock:
-            if _state.fn is None and not _state.failed:
-                try:
-                    _state.fn = _build()
-                except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-                    _state.failed = True
-                    logger.warning("hybridlm: fast bf16 matvec kernel unavailable, using F.linear: %s", exc)
+            if not _state.resolved:
+                if os.environ.get("HYBRIDLM_COMPILE", "1") != "0":
+                    try:
+                        _state.fn = _build()
+                    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+                        logger.warning("fast bf16 matvec kernel unavailable, using F.linear: %s", exc)
+                _state.resolved = True
     return _state.fn
 
 
 def fast_path_available() -> bool:
-    """Whether bf16 CPU matvecs use the kernel (building it now if needed)."""
+    """Whether few-row bf16 CPU inputs use the kernel (building it now if needed)."""
     return _kernel() is not None
 
 
-def _use_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    if (
-        x.device.type != "cpu"
-        or weight.device.type != "cpu"
-        or x.dtype != torch.bfloat16
-        or weight.dtype != torch.bfloat16
-        or weight.dim() != 2
-        or not weight.is_contiguous()
-        or x.shape[-1] != weight.shape[1]
-        or 0 in weight.shape
-    ):
-        return False
-    if bias is not None and (bias.dtype != torch.bfloat16 or bias.device.type != "cpu" or not bias.is_contiguous()):
-        return False
-    rows = x.numel() // weight.shape[1]
-    if not 0 < rows <= MAX_FAST_ROWS:
-        return False
-    if torch.is_grad_enabled() and (
-        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
-    ):
-        return False
-    # A ctypes call cannot be traced; inside torch.compile inductor generates its own code.
-    return not torch.compiler.is_compiling()
+def _kernel_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """bf16 CPU tensors, 1..MAX_FAST_ROWS rows, no autograd, not being traced by torch.compile.
+
+    Ordered cheapest-first: this runs on every call, and each check costs ~0.06 us.
+    """
+    k = weight.shape[-1]
+    return (
+        x.dtype is torch.bfloat16
+        and weight.dtype is torch.bfloat16
+        and x.is_cpu
+        and weight.is_cpu
+        and weight.dim() == 2
+        and x.shape[-1] == k
+        and 0 < x.numel() <= MAX_FAST_ROWS * k
+        and weight.shape[0] > 0
+        and weight.is_contiguous()
+        and (bias is None or (bias.dtype is torch.bfloat16 and bias.is_cpu and bias.is_contiguous()))
+        and not (
+            torch.is_grad_enabled()
+            and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
+        )
+        # A ctypes call cannot be traced; under torch.compile inductor generates its own code.
+        and not torch.compiler.is_compiling()
+    )
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -283,15 +286,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     Returns:
         [..., out] in x's dtype; on the kernel path fp32-accumulated and rounded to bf16 once.
     """
-    fn = _kernel() if _use_kernel(x, weight, bias) else None
+    fn = _kernel() if _kernel_applies(x, weight, bias) else None
     if fn is None:
         return F.linear(x, weight, bias)
     n, k = weight.shape
-    x2 = x.reshape(-1, k).contiguous()
-    y = torch.empty(x2.shape[0], n, dtype=x.dtype)
+    # The kernel only needs x's rows contiguous; writing y in place of the [..., out] result
+    # saves the reshape/view round trip (~1.3 us of a ~4 us call).
+    if not x.is_contiguous():
+        x = x.contiguous()
+    y = torch.empty((*x.shape[:-1], n), dtype=torch.bfloat16)
     status = fn(
-        x2.data_ptr(),
-        x2.shape[0],
+        x.data_ptr(),
+        x.numel() // k,
         weight.data_ptr(),
         None if bias is None else bias.data_ptr(),
         y.data_ptr(),
@@ -301,53 +307,68 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     )
     if status != 0:
         raise MemoryError("hybridlm linear kernel: out of memory")
-    return y.view(*x.shape[:-1], n)
+    return y
 
 
 class Linear(nn.Linear):
-    """Drop-in ``nn.Linear`` (same ``weight`` [out, in] and ``bias`` [out]) using ``linear``.
-
-    After ``quantize_int8_`` the weight is int8 ``weight_int8`` [out, in] with per-output-channel
-    scales ``weight_scale`` [out], and forward uses ``torch._weight_int8pack_mm``.
-    """
+    """Drop-in ``nn.Linear`` (same ``weight`` [out, in] and ``bias`` [out]) whose forward is
+    ``linear``."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if hasattr(self, "weight_int8"):
-            return _linear_int8(x, self.weight_int8, self.weight_scale, self.bias)
         return linear(x, self.weight, self.bias)
 
 
-def _linear_int8(
-    x: torch.Tensor, weight_int8: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
-    """x [..., in] @ (weight_int8 [out, in] * scale [out, 1]).T + bias, in x's dtype."""
-    k = weight_int8.shape[1]
-    x2 = x.reshape(-1, k)
-    if x2.device.type == "cpu":
-        y = torch._weight_int8pack_mm(x2.contiguous(), weight_int8, scale.to(x.dtype))
-    else:  # the int8pack kernel is CPU-only in this sense; dequantize elsewhere
-        y = F.linear(x2, weight_int8.to(x.dtype)) * scale.to(x.dtype)
-    if bias is not None:
-        y = y + bias
-    return y.view(*x.shape[:-1], weight_int8.shape[0])
+class Int8Linear(nn.Module):
+    """Weight-only int8 linear: ``weight_int8`` [out, in] int8 times per-output-channel
+    ``weight_scale`` [out], plus optional ``bias`` [out]; made by ``quantize_int8_``.
 
-
-@torch.no_grad()
-def quantize_int8_(module: nn.Module) -> nn.Module:
-    """Quantize every ``Linear`` in ``module`` (itself included) to weight-only int8, in place.
-
-    Symmetric per-output-channel: ``scale = max|w_row| / 127``, ``w_int8 = round(w / scale)``.
-    The ``weight`` parameter is replaced by buffers ``weight_int8`` [out, in] (int8) and
-    ``weight_scale`` [out] (the weight's dtype), halving a bf16 layer's bytes read per token.
+    On CPU it runs ``torch._weight_int8pack_mm``, which reads half a bf16 weight's bytes. That
+    kernel gives wrong bf16 results when ``in % 16 != 0`` (torch 2.13), so such shapes, and other
+    devices, dequantize the weight instead.
     """
-    for sub in module.modules():
-        if not isinstance(sub, Linear) or hasattr(sub, "weight_int8"):
-            continue
-        w = sub.weight.detach().float()
+
+    def __init__(self, weight_int8: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = weight_int8.shape
+        self.register_buffer("weight_int8", weight_int8)
+        self.register_buffer("weight_scale", weight_scale)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    @classmethod
+    @torch.no_grad()
+    def from_linear(cls, layer: nn.Linear) -> Int8Linear:
+        """Symmetric per-row quantization: ``scale = max|w_row| / 127``, ``q = round(w / scale)``;
+        the scale keeps the weight's dtype."""
+        w = layer.weight.detach().float()
         scale = (w.abs().amax(dim=1) / 127.0).clamp_min(torch.finfo(torch.float32).tiny)
-        q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()
-        dtype = sub.weight.dtype
-        del sub.weight
-        sub.register_buffer("weight_int8", q)
-        sub.register_buffer("weight_scale", scale.to(dtype))
+        q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+        bias = None if layer.bias is None else layer.bias.detach()
+        return cls(q, scale.to(layer.weight.dtype), bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in] -> [..., out] in x's dtype."""
+        x2 = x.reshape(-1, self.in_features)
+        scale = self.weight_scale.to(x.dtype)
+        if x2.is_cpu and self.in_features % 32 == 0:
+            y = torch._weight_int8pack_mm(x2.contiguous(), self.weight_int8, scale)
+        else:
+            y = F.linear(x2, self.weight_int8.to(x.dtype)) * scale
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        bias = self.bias is not None
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={bias}"
+
+
+def quantize_int8_(module: nn.Module) -> nn.Module:
+    """Replace every ``Linear`` inside ``module`` by its ``Int8Linear``, in place; returns
+    ``module``, or the new ``Int8Linear`` if ``module`` itself is a ``Linear``."""
+    if isinstance(module, Linear):
+        return Int8Linear.from_linear(module)
+    for child in list(module.modules()):
+        for attr, sub in list(child.named_children()):
+            if isinstance(sub, Linear):
+                setattr(child, attr, Int8Linear.from_linear(sub))
     return module

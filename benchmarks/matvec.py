@@ -1,0 +1,112 @@
+"""Weight bandwidth (GB/s) of few-row linear layers, per method, per shape.
+
+    PYTHONPATH=src python benchmarks/matvec.py [--dtype bf16|fp32] [--rows 1,2,4,9] [--methods ...]
+
+GB/s = bytes of weight (in the method's storage format) / seconds per call. Each method cycles
+through enough copies of the weight (``--pool-mb``) that they fall out of the last-level cache,
+as the weights of a decode step do; methods take turns, and each one's 20th-percentile call counts,
+which tolerates a noisy machine.
+
+Methods: ``linear`` (hybridlm.ops.linear), ``F.linear``, ``mv`` (torch.mv, 1 row),
+``mkldnn`` (oneDNN with a weight prepacked for the row count), ``compile`` (torch.compile of
+an fp32 multiply + sum, dynamic shapes), ``int8pack`` (torch._weight_int8pack_mm on int8
+weights with per-row scales, so half the bytes of bf16).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+
+from hybridlm.ops.linear import fast_path_available, linear
+
+# Qwen3.5-0.8B decode shapes as (out, in): LM head, GDN qkv, MLP up/gate, MLP down, z, GDN out /
+# attention o, attention q (with gate), k/v, GDN a/b.
+SHAPES = "248320x1024,6144x1024,3584x1024,1024x3584,2048x1024,1024x2048,4096x1024,512x1024,16x1024"
+
+
+def _mul_sum(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return (x[:, None, :].float() * w.float()).sum(-1).to(x.dtype)
+
+
+def _methods(names: list[str], x: torch.Tensor, weights: list[torch.Tensor]) -> dict[str, tuple]:
+    """name -> (fn(w), the weights in the format fn expects, bytes per weight); skips methods that
+    do not apply to this input."""
+    rows, (n, k), dtype = x.shape[0], weights[0].shape, x.dtype
+    nbytes = n * k * dtype.itemsize
+    out: dict[str, tuple] = {}
+    for name in names:
+        if name == "linear":
+            out[name] = (lambda w: linear(x, w), weights, nbytes)
+        elif name == "F.linear":
+            out[name] = (lambda w: F.linear(x, w), weights, nbytes)
+        elif name == "mv" and rows == 1:
+            out[name] = (lambda w: torch.mv(w, x[0]), weights, nbytes)
+        elif name == "mkldnn":
+            packed = [torch.ops.mkldnn._reorder_linear_weight(w, rows) for w in weights]
+            op = torch.ops.mkldnn._linear_pointwise
+            out[name] = (lambda w, op=op: op(x, w, None, "none", [], ""), packed, nbytes)
+        elif name == "compile":
+            fn = torch.compile(_mul_sum, dynamic=True)
+            t0 = time.perf_counter()
+            fn(x, weights[0])
+            print(f"    (compile: first call {time.perf_counter() - t0:.1f} s)")
+            out[name] = (lambda w, fn=fn: fn(x, w), weights, nbytes)
+        elif name == "int8pack" and k % 32 == 0:  # wrong results for bf16 when in % 16 != 0
+            q = [w.to(torch.int8) for w in weights]  # values are irrelevant for timing
+            scale = torch.ones(n, dtype=dtype)
+            out[name] = (lambda w, scale=scale: torch._weight_int8pack_mm(x, w, scale), q, n * k)
+    return out
+
+
+def _compare(methods: dict[str, tuple], seconds: float) -> dict[str, float]:
+    """GB/s of each method's 20th-percentile call over ``seconds``: methods take turns and every
+    call is timed alone. The percentile drops both the calls slowed by other processes and the
+    rare ones that found their weight still in the last-level cache."""
+    times: dict[str, list[float]] = {name: [] for name in methods}
+    for fn, ws, _ in methods.values():
+        fn(ws[0])
+    end, rounds = time.perf_counter() + seconds, 0
+    while rounds < 3 or time.perf_counter() < end:
+        for name, (fn, ws, _) in methods.items():
+            for w in ws:
+                t0 = time.perf_counter()
+                fn(w)
+                times[name].append(time.perf_counter() - t0)
+        rounds += 1
+    return {name: methods[name][2] / sorted(t)[len(t) // 5] / 1e9 for name, t in times.items()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    p.add_argument("--shapes", default=SHAPES, help="comma-separated OUTxIN")
+    p.add_argument("--rows", default="1,2,4,9,16", help="comma-separated input row counts")
+    p.add_argument("--methods", default="linear,F.linear,mv,mkldnn,int8pack")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--pool-mb", type=int, default=1024, help="weight copies cycled per method (MiB)")
+    p.add_argument("--seconds", type=float, default=2.0, help="per shape and row count")
+    args = p.parse_args()
+
+    torch.set_flush_denormal(True)
+    torch.set_num_threads(args.threads)
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    names = args.methods.split(",")
+    print(f"{args.dtype}, {args.threads} threads, fast path available: {fast_path_available()}")
+    for shape in args.shapes.split(","):
+        n, k = map(int, shape.split("x"))
+        copies = max(1, (args.pool_mb << 20) // (n * k * dtype.itemsize))
+        base = torch.randn(n, k).to(dtype)
+        weights = [base.clone() for _ in range(copies)]
+        for rows in map(int, args.rows.split(",")):
+            x = torch.randn(rows, k).to(dtype)
+            gbs = _compare(_methods(names, x, weights), args.seconds)
+            cells = "  ".join(f"{name} {v:5.1f}" for name, v in gbs.items())
+            print(f"{n:>6}x{k:<5} rows {rows:>2}:  {cells}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,175 @@
+"""hybridlm.ops.linear: the bf16 matvec kernel against F.linear, and its fallbacks."""
+
+import logging
+import threading
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridlm.ops import linear as linear_mod
+from hybridlm.ops.linear import MAX_FAST_ROWS, Int8Linear, Linear, fast_path_available, linear, quantize_int8_
+
+needs_kernel = pytest.mark.skipif(not fast_path_available(), reason="bf16 matvec kernel could not be built")
+
+# (out, in): odd sizes on both sides exercise the kernel's row-block and 32-column tails.
+SHAPES = [(77, 1000), (130, 96), (16, 64), (5, 33), (3, 7)]
+
+
+def _layer(out_f: int, in_f: int, bias: bool, dtype: torch.dtype) -> Linear:
+    torch.manual_seed(out_f * 1000 + in_f)
+    layer = Linear(in_f, out_f, bias=bias).to(dtype)
+    with torch.no_grad():  # unit-scale values so outputs are O(sqrt(in)), not O(1)
+        layer.weight.normal_()
+        if bias:
+            layer.bias.normal_()
+    return layer.requires_grad_(False)
+
+
+def _assert_rounded(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> None:
+    """y is the exact x @ w.T + b rounded once to x's dtype, up to fp32 accumulation noise.
+
+    Compared with the fp64 result rather than with F.linear, which is not always that exact:
+    for a strided 3-D bf16 input it is off by up to ~200 bf16 ulps.
+    """
+    ref = x.double() @ w.double().T + (0 if b is None else b.double())
+    assert y.shape == ref.shape and y.dtype == x.dtype
+    # Half an ulp is at most 2^-8 (bf16) / 2^-24 (fp32) of the value; fp32 sums add ~1e-5.
+    rtol = 2**-8 if y.dtype == torch.bfloat16 else 2**-20
+    torch.testing.assert_close(y.double(), ref, rtol=rtol, atol=1e-3)
+
+
+@pytest.fixture
+def no_f_linear(monkeypatch):
+    """Makes any F.linear call inside hybridlm.ops.linear fail, proving the kernel ran."""
+
+    def boom(*args, **kwargs):
+        raise AssertionError("F.linear called on the fast path")
+
+    monkeypatch.setattr(linear_mod, "F", types.SimpleNamespace(linear=boom))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 9, 64])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_matches_f_linear(dtype, rows, bias, shape):
+    layer = _layer(*shape, bias, dtype)
+    x = torch.randn(rows, shape[1]).to(dtype)
+    _assert_rounded(layer(x), x, layer.weight, layer.bias)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", range(1, MAX_FAST_ROWS + 1))
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_kernel_path(rows, bias, shape, no_f_linear):
+    layer = _layer(*shape, bias, torch.bfloat16)
+    x = torch.randn(rows, shape[1]).to(torch.bfloat16)
+    _assert_rounded(layer(x), x, layer.weight, layer.bias)
+
+
+@needs_kernel
+@pytest.mark.parametrize("lead", [(1, 1), (2, 2), (1, 3)])
+def test_kernel_3d_and_strided_input(lead, no_f_linear):
+    layer = _layer(40, 256, True, torch.bfloat16)
+    wide = torch.randn(*lead, 512).to(torch.bfloat16)
+    x = wide[..., ::2]  # [B, L, in], not contiguous
+    y = layer(x)
+    assert y.shape == (*lead, 40)
+    _assert_rounded(y, x, layer.weight, layer.bias)
+
+
+def test_large_rows_3d_uses_f_linear():
+    layer = _layer(24, 64, True, torch.bfloat16)
+    x = torch.randn(2, 5, 64).to(torch.bfloat16)  # 10 rows > MAX_FAST_ROWS
+    assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+
+
+def test_autograd_uses_f_linear():
+    layer = Linear(32, 8).to(torch.bfloat16)
+    x = torch.randn(1, 32, dtype=torch.bfloat16, requires_grad=True)
+    layer(x).float().sum().backward()
+    assert x.grad is not None and layer.weight.grad is not None
+
+
+def test_meta_device():
+    layer = Linear(32, 8, device="meta", dtype=torch.bfloat16)
+    assert layer(torch.empty(1, 32, device="meta", dtype=torch.bfloat16)).shape == (1, 8)
+
+
+def test_state_dict_compatible_with_nn_linear():
+    ref = nn.Linear(12, 5)
+    layer = Linear(12, 5)
+    layer.load_state_dict(ref.state_dict())
+    assert isinstance(layer, nn.Linear)
+    x = torch.randn(2, 12)
+    torch.testing.assert_close(layer(x), ref(x))
+
+
+def test_disabled_by_env(monkeypatch):
+    monkeypatch.setenv("HYBRIDLM_COMPILE", "0")
+    monkeypatch.setattr(linear_mod, "_state", linear_mod._KernelState())
+    assert not fast_path_available()
+    w = torch.randn(20, 64).to(torch.bfloat16)
+    x = torch.randn(1, 64).to(torch.bfloat16)
+    assert torch.equal(linear(x, w), F.linear(x, w))
+
+
+def test_build_failure_falls_back_with_one_warning(monkeypatch, tmp_path, caplog):
+    monkeypatch.delenv("HYBRIDLM_COMPILE", raising=False)
+    monkeypatch.setenv("CC", "/bin/false")
+    monkeypatch.setenv("HYBRIDLM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(linear_mod, "_state", linear_mod._KernelState())
+    w = torch.randn(20, 64).to(torch.bfloat16)
+    x = torch.randn(1, 64).to(torch.bfloat16)
+    with caplog.at_level(logging.WARNING, logger=linear_mod.__name__):
+        for _ in range(3):
+            assert torch.equal(linear(x, w), F.linear(x, w))
+    assert len(caplog.records) == 1 and "F.linear" in caplog.records[0].getMessage()
+
+
+@needs_kernel
+def test_lazy_build_is_thread_safe(monkeypatch):
+    builds = []
+    build = linear_mod._build
+
+    def counting_build():
+        builds.append(1)
+        return build()
+
+    monkeypatch.setattr(linear_mod, "_build", counting_build)
+    monkeypatch.setattr(linear_mod, "_state", linear_mod._KernelState())
+    w = torch.randn(64, 128).to(torch.bfloat16)
+    x = torch.randn(1, 128).to(torch.bfloat16)
+    results = [None] * 4
+
+    def run(i):
+        results[i] = linear(x, w)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(builds) == 1
+    for y in results:
+        _assert_rounded(y, x, w, None)
+
+
+@pytest.mark.parametrize("shape", [(48, 64), (5, 33)])  # in % 32 == 0 uses int8pack, else dequantizes
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_int8(shape, dtype):
+    model = nn.Sequential(_layer(*shape, True, dtype), nn.ReLU())
+    w, b = model[0].weight.clone(), model[0].bias.clone()
+    assert quantize_int8_(model) is model
+    q = model[0]
+    assert isinstance(q, Int8Linear)
+    assert q.weight_int8.dtype == torch.int8 and q.weight_scale.shape == (shape[0],)
+    x = torch.randn(2, 3, shape[1]).to(dtype)
+    ref = F.linear(x.float(), w.float(), b.float())
+    # int8 keeps ~2 significant digits per weight; sums over `in` average the errors down.
+    torch.testing.assert_close(q(x).float(), ref, rtol=0.05, atol=0.05 * ref.abs().max().item())
+    assert isinstance(quantize_int8_(_layer(*shape, False, dtype)), Int8Linear)
