@@ -341,6 +341,12 @@ def cmd_bench_speculative(args) -> int:
     return speculative.main(args)
 
 
+def cmd_bench_restore(args) -> int:
+    from hybridlm.bench import restore
+
+    return restore.main(args)
+
+
 def cmd_bench_serve(args) -> int:
     from hybridlm.bench import serve
 
@@ -507,7 +513,12 @@ def build_parser() -> argparse.ArgumentParser:
         "turns, bytes held; once with an unbounded budget and once with a quarter of the working set.",
     )
     add_model_args(m)
-    m.add_argument("--preset", choices=["qwen3.5-0.8b"], default=None, help="random checkpoint of this shape")
+    m.add_argument(
+        "--preset",
+        choices=["qwen3.5-0.8b", "lfm2-350m", "gemma3-270m"],
+        default=None,
+        help="random checkpoint of this shape",
+    )
     m.add_argument("--conversations", type=int, default=4, help="interleaved conversations (default 4)")
     m.add_argument("--turns", type=int, default=5, help="turns per conversation (default 5)")
     m.add_argument(
@@ -519,6 +530,27 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     m.add_argument("--json", default=None, help="also write the report as JSON to this file")
     m.set_defaults(func=cmd_bench_multiturn)
+
+    r = bench.add_parser(
+        "restore",
+        help="restoring a cached prefix vs recomputing it, per layer kind",
+        description="Prefill a prefix with restore points every --cadence tokens, then time bringing fresh "
+        "caches back to its end (copies) and to the worst mid-range point (recurrent layers replay up "
+        "to cadence-1 tokens), per layer kind, beside each kind's share of recomputing the prefix.",
+    )
+    add_model_args(r)
+    r.add_argument(
+        "--preset",
+        nargs="+",
+        choices=["qwen3.5-0.8b", "lfm2-350m", "gemma3-270m"],
+        default=None,
+        help="random checkpoints of these published shapes",
+    )
+    r.add_argument("--tokens", type=int, default=2048, help="prefix length (default 2048)")
+    r.add_argument("--cadence", type=int, default=512, help="restore point spacing (default 512)")
+    r.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    r.add_argument("--json", default=None, help="also write the report as JSON to this file")
+    r.set_defaults(func=cmd_bench_restore)
 
     sp = bench.add_parser(
         "speculative",

@@ -140,14 +140,12 @@ def main(args) -> int:
         f"\nmachine: {bandwidth:.1f} GB/s read, {rate:.3f} TFLOP/s {report['dtype']} matmul, "
         f"{report['threads']} threads, {device}"
     )
-    print(
-        f"model: {wbytes / 1e9:.3f} GB weights read per decode token, {flops / 1e9:.2f} GFLOP per prefill token"
-    )
+    gb, gflop = wbytes / 1e9, flops / 1e9
+    print(f"model: {gb:.3f} GB weights read per decode token, {gflop:.2f} GFLOP per prefill token")
     print(f"{'phase':<14}{'tok/s':>10}{'limit':>10}{'of limit':>10}")
     for length, r in report["prefill"].items():
-        print(
-            f"{'prefill ' + length:<14}{r['tok_s']:>10.1f}{r['limit_tok_s']:>10.1f}{r['tok_s'] / r['limit_tok_s']:>10.0%}"
-        )
+        share = r["tok_s"] / r["limit_tok_s"]
+        print(f"{'prefill ' + length:<14}{r['tok_s']:>10.1f}{r['limit_tok_s']:>10.1f}{share:>10.0%}")
     d = report["decode"]
     print(f"{'decode':<14}{d['tok_s']:>10.1f}{d['limit_tok_s']:>10.1f}{d['tok_s'] / d['limit_tok_s']:>10.0%}")
     if args.json:
