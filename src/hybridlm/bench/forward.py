@@ -92,8 +92,9 @@ def time_decode(model, steps: int, context: int = 128) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def main(args) -> int:
-    from hybridlm.bench.limits import matmul_tflops, memory_bandwidth_gbs
+def load_bench_model(args):
+    """(model, path, dtype) for a benchmark's --preset / --model / --dtype / --device / --threads
+    (the demo model when neither names one)."""
     from hybridlm.models import load_model
 
     if args.threads:
@@ -105,7 +106,13 @@ def main(args) -> int:
         path = demo_model_dir()
     dtype = {"float32": torch.float32, "fp32": torch.float32}.get(args.dtype or "", torch.bfloat16)
     print(f"loading {path} ...", flush=True)
-    model = load_model(path, dtype=dtype, device=args.device)
+    return load_model(path, dtype=dtype, device=args.device), path, dtype
+
+
+def main(args) -> int:
+    from hybridlm.bench.limits import matmul_tflops, memory_bandwidth_gbs
+
+    model, path, dtype = load_bench_model(args)
     device = model.device
     print("measuring the machine ...", flush=True)
     bandwidth = memory_bandwidth_gbs(device)

@@ -152,22 +152,11 @@ def run(engine, prefix: PrefixCache, trace: list[Turn], gen: int, progress=None)
 
 
 def main(args) -> int:
-    import torch
     from tqdm import tqdm
 
-    from hybridlm.bench.forward import preset_dir
-    from hybridlm.models import load_model
+    from hybridlm.bench.forward import load_bench_model
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    path = preset_dir(args.preset) if args.preset else args.model
-    if path is None:
-        from hybridlm.demo import demo_model_dir
-
-        path = demo_model_dir()
-    dtype = {"float32": torch.float32, "fp32": torch.float32}.get(args.dtype or "", torch.bfloat16)
-    print(f"loading {path} ...", flush=True)
-    model = load_model(path, dtype=dtype, device=args.device)
+    model, path, _ = load_bench_model(args)
     trace = make_trace(
         args.seed, model.vocab_size, args.conversations, args.turns, args.system_tokens, args.gen
     )
