@@ -7,6 +7,7 @@ import contextlib
 import logging
 import os
 import sys
+from pathlib import Path
 
 import torch
 
@@ -30,6 +31,10 @@ environment variables (a flag given on the command line wins):
   HYBRIDLM_CACHE_DIR        --cache-dir
   HYBRIDLM_CACHE_DISK       --cache-disk
   HYBRIDLM_PREFIX_CACHE     set to 0 for --no-prefix-cache
+  HYBRIDLM_SPECULATIVE      --speculative
+  HYBRIDLM_DRAFT_MODEL      --draft-model
+  HYBRIDLM_DRAFT_QUANTIZE   --draft-quantize
+  HYBRIDLM_NUM_DRAFT        --num-draft
   HYBRIDLM_LOG_LEVEL        log level: DEBUG, INFO, WARNING (default), ERROR
   HYBRIDLM_DEMO_DIR         where the demo model is written (default ~/.cache/hybridlm/demo-model)
 """
@@ -113,6 +118,34 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="most tokens (prompt + output) per request; longer prompts are refused "
         "(default: the model's max_position_embeddings) [env HYBRIDLM_CONTEXT_LENGTH]",
     )
+    p.add_argument(
+        "--speculative",
+        choices=["ngram", "draft"],
+        default=_env("HYBRIDLM_SPECULATIVE"),
+        help="speculative decoding (greedy output unchanged, sampled output equally distributed): "
+        "'ngram' drafts by prompt lookup in the request's own tokens, 'draft' with --draft-model; the "
+        "draft length adapts and falls back to plain decoding when drafts do not pay (default: off; "
+        'requests opt out with "speculative": false) [env HYBRIDLM_SPECULATIVE]',
+    )
+    p.add_argument(
+        "--draft-model",
+        default=_env("HYBRIDLM_DRAFT_MODEL"),
+        help="checkpoint directory of a smaller model with the same tokenizer, for --speculative draft "
+        "[env HYBRIDLM_DRAFT_MODEL]",
+    )
+    p.add_argument(
+        "--draft-quantize",
+        choices=["int8"],
+        default=_env("HYBRIDLM_DRAFT_QUANTIZE"),
+        help="quantize the draft model's linear layers on load (int8: weight-only, per-channel scales) "
+        "[env HYBRIDLM_DRAFT_QUANTIZE]",
+    )
+    p.add_argument(
+        "--num-draft",
+        type=int,
+        default=_env("HYBRIDLM_NUM_DRAFT", "8"),
+        help="most draft tokens per verify pass (default 8) [env HYBRIDLM_NUM_DRAFT]",
+    )
 
 
 def load(args):
@@ -140,6 +173,29 @@ def load(args):
     return model
 
 
+def make_speculator(model, args):
+    """The `Speculator` behind --speculative (None when off)."""
+    if args.speculative is None:
+        return None
+    from hybridlm.speculative import DraftModel, NgramDrafter, Speculator
+
+    if args.num_draft < 1:
+        raise SystemExit(f"hybridlm: --num-draft must be >= 1, got {args.num_draft}")
+    if args.speculative == "ngram":
+        return Speculator(NgramDrafter, max_depth=args.num_draft)
+    if args.draft_model is None:
+        raise SystemExit("hybridlm: --speculative draft needs --draft-model DIR")
+    draft = DraftModel.load(
+        args.draft_model, dtype=DTYPES.get(args.dtype), device=model.device, quantize=args.draft_quantize
+    )
+    mine, theirs = Path(model.path) / "tokenizer.json", Path(args.draft_model) / "tokenizer.json"
+    if theirs.exists() and mine.exists() and theirs.read_bytes() != mine.read_bytes():
+        log.warning(
+            "the draft model's tokenizer.json differs from the model's: drafts may rarely be accepted"
+        )
+    return Speculator(draft, max_depth=args.num_draft)
+
+
 def make_engine(model, args):
     from hybridlm.engine import Engine
     from hybridlm.prefix.cache import PrefixCache
@@ -158,6 +214,7 @@ def make_engine(model, args):
         max_queue=getattr(args, "max_queue", 64),
         context_length=args.context_length,
         prefix=prefix,
+        speculative=make_speculator(model, args),
     )
 
 
@@ -276,6 +333,12 @@ def cmd_bench_multiturn(args) -> int:
     from hybridlm.bench import multiturn
 
     return multiturn.main(args)
+
+
+def cmd_bench_speculative(args) -> int:
+    from hybridlm.bench import speculative
+
+    return speculative.main(args)
 
 
 def cmd_bench_restore(args) -> int:
@@ -399,7 +462,8 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser(
         "bench",
         help="measure speed next to the machine's limits",
-        description="Benchmarks: `forward` (model speed beside the machine's limits), `serve` "
+        description="Benchmarks: `forward` (model speed beside the machine's limits), `speculative` "
+        "(speculative vs plain decoding), `serve` "
         "(the HTTP server beside the engine alone).",
     )
     bench = b.add_subparsers(dest="what", required=True)
@@ -449,12 +513,7 @@ def build_parser() -> argparse.ArgumentParser:
         "turns, bytes held; once with an unbounded budget and once with a quarter of the working set.",
     )
     add_model_args(m)
-    m.add_argument(
-        "--preset",
-        choices=["qwen3.5-0.8b", "lfm2-350m", "gemma3-270m"],
-        default=None,
-        help="random checkpoint of this shape",
-    )
+    m.add_argument("--preset", choices=["qwen3.5-0.8b"], default=None, help="random checkpoint of this shape")
     m.add_argument("--conversations", type=int, default=4, help="interleaved conversations (default 4)")
     m.add_argument("--turns", type=int, default=5, help="turns per conversation (default 5)")
     m.add_argument(
@@ -488,6 +547,34 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--json", default=None, help="also write the report as JSON to this file")
     r.set_defaults(func=cmd_bench_restore)
 
+    sp = bench.add_parser(
+        "speculative",
+        help="speculative decoding tokens/s vs plain decoding, acceptance per draft position",
+        description="Decode the same prompt plainly and speculatively in one run (interleaved repeats, "
+        "medians): n-gram drafts on a prompt that already holds the model's own greedy continuation "
+        "(every draft right), random drafts (never accepted: the controller must back off), and a draft "
+        "model when --draft-model is given. Reports decode tok/s, speedup, acceptance rate per draft "
+        "position, tokens committed per verify pass and verify cost by draft length.",
+    )
+    add_model_args(sp)
+    sp.add_argument(
+        "--preset", choices=["qwen3.5-0.8b"], default=None, help="random checkpoint of this shape"
+    )
+    sp.add_argument(
+        "--draft-model", default=None, help="checkpoint directory of a draft model (same tokenizer)"
+    )
+    sp.add_argument(
+        "--draft-quantize", choices=["int8"], default=None, help="quantize the draft model on load"
+    )
+    sp.add_argument("--num-draft", type=int, default=8, help="most draft tokens per verify pass (default 8)")
+    sp.add_argument(
+        "--prompt-tokens", type=int, default=64, help="length of the prompt's random head P (default 64)"
+    )
+    sp.add_argument("--tokens", type=int, default=128, help="tokens decoded per run (default 128)")
+    sp.add_argument("--repeats", type=int, default=3, help="runs per mode, interleaved (default 3)")
+    sp.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    sp.add_argument("--json", default=None, help="also write the report as JSON to this file")
+    sp.set_defaults(func=cmd_bench_speculative)
     return parser
 
 

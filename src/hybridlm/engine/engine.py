@@ -20,7 +20,7 @@ import secrets
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -37,6 +37,7 @@ from hybridlm.engine.request import (
     Event,
     Request,
     Sink,
+    SpeculativeUsage,
     Timings,
     TokenLogprob,
     Usage,
@@ -47,6 +48,7 @@ from hybridlm.models.base import CausalLM
 from hybridlm.models.tokenizer import IncrementalDecoder, Tokenizer
 from hybridlm.ops.sampling import apply_penalties, sample, token_logprobs
 from hybridlm.prefix.cache import PrefixCache, Session
+from hybridlm.speculative import Drafter, RequestSpeculation, Speculator, TargetPolicy
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +73,7 @@ class _Running:
     seen: torch.Tensor | None = None  # [1, V] bool, prompt ∪ output ids, for the repetition penalty
     cached_tokens: int = 0
     session: Session | None = None  # the prefix-cache session holding this request's caches
+    speculation: RequestSpeculation | None = None  # None: plain decoding
     prefill_done: float | None = None
     first_token: float | None = None
 
@@ -83,7 +86,9 @@ class Engine:
         between chunks). max_queue: most requests waiting to be scheduled (`submit` raises `QueueFull`
         beyond). context_length: most tokens (prompt + output) per request; default the model's
         `max_position_embeddings`. prefix: the prefix cache shared by all requests (None: every
-        request prefills its whole prompt into fresh caches).
+        request prefills its whole prompt into fresh caches). speculative: a `Speculator`, or a
+        function returning a fresh `Drafter` per request (wrapped in a default `Speculator`); None
+        decodes one token per step. Requests opt out with `SamplingParams(speculative=False)`.
     """
 
     max_running = 1  # requests advanced per step; continuous batching raises it
@@ -96,6 +101,7 @@ class Engine:
         max_queue: int = 64,
         context_length: int | None = None,
         prefix: PrefixCache | None = None,
+        speculative: Speculator | Callable[[], Drafter] | None = None,
     ):
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
@@ -106,6 +112,9 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.max_queue = max_queue
         self.prefix = prefix
+        if speculative is not None and not isinstance(speculative, Speculator):
+            speculative = Speculator(speculative)
+        self.speculative: Speculator | None = speculative
         limit = int(model.config.get("max_position_embeddings") or 0)
         self.context_length = context_length or limit or 4096
         if self.context_length < 2:
@@ -264,6 +273,11 @@ class Engine:
         running = _Running(
             request, max_tokens, time.perf_counter(), generator, decoder, StopStrings(params.stop)
         )
+        if self.speculative is not None and params.speculative:
+            # A seeded sampled request must draw the same random numbers on every run: its draft
+            # lengths may then depend only on its own outcomes.
+            reproducible = not params.greedy and params.seed is not None
+            running.speculation = self.speculative.start(request.prompt_ids, reproducible)
         with self.stats.lock:
             self.stats.queue_seconds.observe(running.started - request.arrival)
         log.debug(
@@ -289,6 +303,8 @@ class Engine:
                 with self._wake:
                     self._running.remove(running)
                 running.caches = []  # release the cache memory now, not when the handle dies
+                if running.speculation is not None:
+                    running.speculation.close()
                 if running.session is not None:
                     # A failed forward may have left layers at different offsets: drop that state.
                     if event.finish_reason == ERROR:
@@ -340,13 +356,70 @@ class Engine:
             running.position = len(request.prompt_ids)
             running.prefill_done = time.perf_counter()
         else:
+            if running.speculation is not None:
+                event = self._speculate(running)
+                if event is not None:
+                    return event
+            t0 = time.perf_counter()
             token = running.output_ids[-1]
             batch = Batch.single([token], offset=running.position, device=self.model.device)
             running.logits = self.model(batch, running.caches)
             running.position += 1
             if running.session is not None:
                 running.session.advance([token])
+            if running.speculation is not None:
+                event = self._next_token(running)
+                running.speculation.observe_plain(time.perf_counter() - t0)
+                return event
         return self._next_token(running)
+
+    def _speculate(self, running: _Running) -> Event | None:
+        """One speculative round: draft, verify in one forward, emit the accepted tokens and the
+        target's own through the stop rules, commit. None when the controller or the drafter
+        chooses a plain step instead."""
+        spec = running.speculation
+        params = running.request.params
+        adjust = None
+        if params.penalised:
+            self._ensure_penalty_state(running)
+            adjust = lambda logits: apply_penalties(  # reads the counts as emission updates them
+                logits,
+                running.output_counts,
+                running.seen,
+                repetition_penalty=params.repetition_penalty,
+                presence_penalty=params.presence_penalty,
+                frequency_penalty=params.frequency_penalty,
+            )
+        policy = TargetPolicy(
+            params.temperature, params.top_k, params.top_p, params.min_p, running.generator, adjust
+        )
+        # Every emitted token counts against max_tokens: draft no further than the last one allowed.
+        limit = running.max_tokens - len(running.output_ids) - 1
+        draft = spec.propose(running.output_ids, limit, policy)
+        if draft is None:
+            return None
+        tokens: list[int] = []
+        texts: list[str] = []
+        logprobs: list[TokenLogprob] = []
+        ended: list[tuple[str, str | int | None]] = []
+
+        def emit(token: int, logits: torch.Tensor) -> bool:
+            reason, stop_reason, text, lp = self._record(running, token, logits[None])
+            tokens.append(token)
+            texts.append(text)
+            logprobs.extend(lp)
+            if reason is not None:
+                ended.append((reason, stop_reason))
+            return reason is not None
+
+        result = spec.verify(self.model, running.caches, draft, running.position, policy, emit)
+        running.position = result.offset
+        if running.session is not None:
+            running.session.advance(result.committed)
+        if ended:
+            reason, stop_reason = ended[0]
+            return self._finish(running, reason, stop_reason, tuple(tokens), "".join(texts), tuple(logprobs))
+        return Event(tuple(tokens), "".join(texts), tuple(logprobs))
 
     def _next_token(self, running: _Running) -> Event:
         """Sample from `running.logits`, record the token, apply the stop rules; the token enters the
@@ -372,9 +445,21 @@ class Engine:
             generator=running.generator,
         )
         token = int(chosen[0])
+        reason, stop_reason, text, logprobs = self._record(running, token, running.logits)
+        if reason is None:
+            return Event((token,), text, logprobs)
+        return self._finish(running, reason, stop_reason, (token,), text, logprobs)
+
+    def _record(
+        self, running: _Running, token: int, logits: torch.Tensor
+    ) -> tuple[str | None, str | int | None, str, tuple[TokenLogprob, ...]]:
+        """Record an emitted token chosen from raw `logits` [1, V] and apply the stop rules: (finish
+        reason or None, stop reason, text safe to stream, logprobs)."""
+        params = running.request.params
         logprobs: tuple[TokenLogprob, ...] = ()
         if params.logprobs is not None:
-            lp, top_ids, top_lp = token_logprobs(running.logits, chosen, params.logprobs)
+            chosen = torch.tensor([token], device=logits.device)
+            lp, top_ids, top_lp = token_logprobs(logits, chosen, params.logprobs)
             top = tuple(zip(top_ids[0].tolist(), top_lp[0].tolist(), strict=True))
             logprobs = (TokenLogprob(token, float(lp[0]), top),)
         # Recorded before it is streamed: the output (and, later, the prefix trie) always knows it.
@@ -397,9 +482,14 @@ class Engine:
                 reason, stop_reason = STOP, running.stopper.matched
             elif len(running.output_ids) >= running.max_tokens:
                 reason = LENGTH
-        if reason is None:
-            return Event((token,), text, logprobs)
-        return self._finish(running, reason, stop_reason, (token,), text, logprobs)
+        return reason, stop_reason, text, logprobs
+
+    @staticmethod
+    def _speculative_usage(running: _Running) -> SpeculativeUsage | None:
+        if running.speculation is None:
+            return None
+        c = running.speculation.counts
+        return SpeculativeUsage(c.drafted_tokens, c.accepted_tokens, c.verify_passes)
 
     def _ensure_penalty_state(self, running: _Running) -> None:
         if running.output_counts is not None:
@@ -443,6 +533,7 @@ class Engine:
             prefilled,
             session.replayed if session is not None else 0,
             session.restore_ms if session is not None else 0.0,
+            self._speculative_usage(running),
         )
         first = running.first_token
         timings = Timings(

@@ -63,6 +63,7 @@ class SamplingParams:
     logprobs: None = off; n ≥ 0 = the chosen token's logprob plus the top n alternatives.
     ignore_eos: keep generating past EOS ids (benchmarks).
     skip_special_tokens: leave special tokens out of the output text.
+    speculative: allow speculative decoding when the engine has it (False: decode one token per step).
     """
 
     temperature: float = 1.0
@@ -79,6 +80,7 @@ class SamplingParams:
     logprobs: int | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         _number("temperature", self.temperature, 0.0, 100.0)
@@ -104,7 +106,7 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", ids)
         if self.logprobs is not None:
             _integer("logprobs", self.logprobs, 0, MAX_LOGPROBS)
-        for name in ("ignore_eos", "skip_special_tokens"):
+        for name in ("ignore_eos", "skip_special_tokens", "speculative"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidParameter(name, f"{name} must be a boolean, got {getattr(self, name)!r}")
 

@@ -25,11 +25,20 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True)
+class SpeculativeUsage:
+    """Speculative decoding of one request: draft tokens verified, of those accepted, verify passes."""
+
+    drafted_tokens: int
+    accepted_tokens: int
+    verify_passes: int
+
+
+@dataclass(frozen=True)
 class Usage:
     """Token counts of one request. cached: prompt tokens restored from the prefix cache (not
     recomputed by the model); replayed: of those, tokens recovered by replaying recurrent layers'
     scan inputs; prefilled: prompt tokens actually run through the model; restore_ms: time to
-    restore the cached prefix."""
+    restore the cached prefix; speculative: None unless the request decoded speculatively."""
 
     prompt_tokens: int
     completion_tokens: int
@@ -37,6 +46,7 @@ class Usage:
     prefilled_tokens: int = 0
     replayed_tokens: int = 0
     restore_ms: float = 0.0
+    speculative: SpeculativeUsage | None = None
 
     @property
     def total_tokens(self) -> int:

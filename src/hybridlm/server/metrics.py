@@ -107,6 +107,8 @@ def render(engine: Engine, http: HTTPStats, model_name: str) -> str:
         _histogram(lines, PREFIX + name, _HISTOGRAM_HELP[name], h)
     if engine.prefix is not None:
         _prefix_cache(lines, engine.prefix)
+    if engine.speculative is not None:
+        _speculative(lines, engine.speculative)
     lines += [
         f"# HELP {PREFIX}model_info The served model.",
         f"# TYPE {PREFIX}model_info gauge",
@@ -154,3 +156,26 @@ def _prefix_cache(lines: list[str], prefix) -> None:
         for name, (help_text, samples) in table.items():
             lines += [f"# HELP {PREFIX}{name} {help_text}", f"# TYPE {PREFIX}{name} {kind}"]
             lines += [f"{PREFIX}{name}{_labels(**labels)} {value}" for labels, value in samples]
+
+
+def _speculative(lines: list[str], speculator) -> None:
+    """Speculative decoding counters and the controller's acceptance estimate (read unlocked, like
+    the prefix cache's)."""
+    totals = speculator.totals
+    counters = {
+        "speculative_drafted_tokens_total": ("Draft tokens verified by the target.", totals.drafted_tokens),
+        "speculative_accepted_tokens_total": ("Draft tokens accepted.", totals.accepted_tokens),
+        "speculative_verify_passes_total": ("Target forwards that verified a draft.", totals.verify_passes),
+    }
+    for name, (help_text, value) in counters.items():
+        lines += [
+            f"# HELP {PREFIX}{name} {help_text}",
+            f"# TYPE {PREFIX}{name} counter",
+            f"{PREFIX}{name} {value}",
+        ]
+    name = f"{PREFIX}speculative_acceptance_rate"
+    lines += [
+        f"# HELP {name} Recent per-position draft acceptance rate across requests (controller estimate).",
+        f"# TYPE {name} gauge",
+        f"{name} {speculator.controller.acceptance!r}",
+    ]

@@ -45,7 +45,8 @@ class StreamOptions(BaseModel):
 
 class _GenerationRequest(BaseModel):
     """Fields both endpoints share (OpenAI's, plus vLLM's extras top_k, min_p, repetition_penalty,
-    stop_token_ids, ignore_eos, skip_special_tokens)."""
+    stop_token_ids, ignore_eos, skip_special_tokens, and hybridlm's `speculative`: false opts the
+    request out of speculative decoding)."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -66,6 +67,7 @@ class _GenerationRequest(BaseModel):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    speculative: bool = True
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Raises `InvalidParameter` naming the field (as `SamplingParams` names it)."""
@@ -87,6 +89,7 @@ class _GenerationRequest(BaseModel):
             **{k: v for k, v in given.items() if v is not None},
             ignore_eos=self.ignore_eos,
             skip_special_tokens=self.skip_special_tokens,
+            speculative=self.speculative,
         )
 
     @property
@@ -131,7 +134,7 @@ def new_id(prefix: str) -> str:
 
 
 def usage_body(usage: Usage) -> dict[str, Any]:
-    return {
+    body = {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.total_tokens,
@@ -143,6 +146,14 @@ def usage_body(usage: Usage) -> dict[str, Any]:
             "restore_ms": round(usage.restore_ms, 3),
         },
     }
+    if usage.speculative is not None:
+        spec = usage.speculative
+        body["speculative"] = {
+            "drafted_tokens": spec.drafted_tokens,
+            "accepted_tokens": spec.accepted_tokens,
+            "verify_passes": spec.verify_passes,
+        }
+    return body
 
 
 class Responder:

@@ -1,0 +1,199 @@
+"""Adaptive draft length: pick, per round, the number of draft tokens that maximises committed
+tokens per second, from measured costs and acceptance rates; fall back to plain decoding when
+speculation does not pay, probing now and then in case it starts to.
+
+Model. With per-position acceptance probability a, a round drafting n tokens commits
+E(n) = 1 + a + … + a^n tokens on average (the accepted prefix plus the target's own token) and
+costs V(n) + n·c: a verify forward over n + 1 tokens (V(0) is a plain decode step) plus drafting.
+The controller maximises E(n) / (V(n) + n·c) over n = 0 … limit. V is learned per depth (moving
+averages of measured seconds, interpolated / extrapolated linearly between measured depths); c,
+the drafter's seconds per draft token, likewise; a per request (seeded by the rate across
+requests, which it also feeds).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Rate:
+    """Exponentially weighted acceptance rate: `hits / trials` with both decayed by `decay` per
+    update (a prior enters as the initial counts and fades the same way)."""
+
+    hits: float
+    trials: float
+    decay: float
+
+    @property
+    def value(self) -> float:
+        return self.hits / self.trials if self.trials > 0 else 0.0
+
+    def update(self, hits: int, trials: int) -> None:
+        self.hits = self.decay * self.hits + hits
+        self.trials = self.decay * self.trials + trials
+
+
+@dataclass
+class Mean:
+    """Exponential moving average of a measurement (seconds); None until the first sample."""
+
+    weight: float
+    value: float | None = None
+    count: int = 0
+
+    def add(self, x: float) -> None:
+        self.value = x if self.value is None else self.value + self.weight * (x - self.value)
+        self.count += 1
+
+
+@dataclass
+class RequestDepth:
+    """One request's controller state: its acceptance rate and its back-off schedule.
+
+    plain_steps: plain steps since the last speculative round while backed off; probe_every: how
+    many of them before the next probe (doubles after each probe that leaves plain decoding best).
+    reproducible: decide from this request's own outcomes and the prior costs only, never from
+    timings or other requests, so a seeded sampled request draws the same random numbers in the
+    same order (hence the same tokens) on every run.
+    """
+
+    acceptance: Rate
+    probe_every: int
+    reproducible: bool = False
+    plain_steps: int = 0
+    probing: bool = False
+    rounds: int = 0  # speculative rounds so far (every `explore_every`-th drafts one token more)
+
+
+@dataclass
+class DepthController:
+    """Chooses draft lengths for every request of one engine (one target model, one drafter kind).
+
+    max_depth: most draft tokens per verify pass. prior_acceptance: acceptance assumed before any
+    measurement. cost_slope: prior extra verify cost per draft token, as a fraction of a plain step
+    (until two depths are measured). probe_every / max_probe_every: plain steps between probes while
+    backed off, initially and at most. probe_depth: draft tokens of a probe. explore_every: every
+    this many speculative rounds one draft token more than the best is tried, so that a depth whose
+    cost was once mismeasured (a busy machine) is measured again. request_decay /
+    global_decay: per-round decay of a request's / the cross-request acceptance counts (memory of
+    about 1 / (1 - decay) rounds). cost_weight: moving-average weight of each timing.
+    """
+
+    max_depth: int = 8
+    prior_acceptance: float = 0.5
+    cost_slope: float = 0.1
+    probe_every: int = 16
+    max_probe_every: int = 128
+    probe_depth: int = 1
+    explore_every: int = 16
+    request_decay: float = 0.9
+    global_decay: float = 0.98
+    cost_weight: float = 0.2
+    _verify: dict[int, Mean] = field(init=False, repr=False)  # seconds per verify pass, by depth
+    _draft: Mean = field(init=False, repr=False)  # drafter seconds per draft token
+    _global: Rate = field(init=False, repr=False)  # acceptance across requests
+
+    def __post_init__(self) -> None:
+        if self.max_depth < 1:
+            raise ValueError(f"max_depth must be >= 1, got {self.max_depth}")
+        self._verify = {}
+        self._draft = Mean(self.cost_weight)
+        self._global = Rate(self.prior_acceptance * 4, 4.0, self.global_decay)
+
+    @property
+    def acceptance(self) -> float:
+        """Acceptance rate across requests (recent rounds weigh most)."""
+        return self._global.value
+
+    def start(self, reproducible: bool = False) -> RequestDepth:
+        """State for a new request, seeded with the acceptance seen across requests (with the prior
+        acceptance when `reproducible`)."""
+        prior = self.prior_acceptance if reproducible else self._global.value
+        return RequestDepth(
+            Rate(prior * 2, 2.0, self.request_decay), self.probe_every, reproducible=reproducible
+        )
+
+    def measured_verify_seconds(self) -> dict[int, float]:
+        """Mean seconds of a verify pass by draft length, for the lengths measured (0: plain step)."""
+        return {n: m.value for n, m in sorted(self._verify.items())}
+
+    def verify_seconds(self, n: int) -> float:
+        """Estimated seconds of a verify pass with n draft tokens (n = 0: a plain step), in the
+        units of the measurements (1.0 for a plain step before any)."""
+        known = {d: m.value for d, m in self._verify.items()}
+        if n in known:
+            return known[n]
+        if not known:
+            return 1.0 + self.cost_slope * n
+        below = [d for d in known if d < n]
+        above = [d for d in known if d > n]
+        if below and above:
+            lo, hi = max(below), min(above)
+            return known[lo] + (known[hi] - known[lo]) * (n - lo) / (hi - lo)
+        base = max(below) if below else min(above)
+        return max(known[base] + self._slope(known, base) * (n - base), 1e-9)
+
+    def _slope(self, known: dict[int, float], base: int) -> float:
+        """Seconds per extra draft token: a least-squares line through the measured depths, or the
+        prior slope relative to the one measured depth."""
+        if len(known) < 2:
+            return self.cost_slope * known[base] / (1.0 + self.cost_slope * base)
+        xs, ys = list(known), list(known.values())
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        var = sum((x - mx) ** 2 for x in xs)
+        return max(sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var, 0.0)
+
+    def rate(self, n: int, acceptance: float, measured: bool = True) -> float:
+        """Committed tokens per second (in measurement units) of rounds drafting n tokens; with
+        `measured` False from the prior costs alone (plain step 1, no drafting cost)."""
+        expected = sum(acceptance**i for i in range(n + 1))
+        if not measured:
+            return expected / (1.0 + self.cost_slope * n)
+        draft = (self._draft.value or 0.0) * n
+        return expected / (self.verify_seconds(n) + draft)
+
+    def depth(self, state: RequestDepth, limit: int) -> int:
+        """Draft tokens for this request's next round (0: a plain decode step); `limit` caps it
+        (tokens left before max_tokens)."""
+        limit = min(limit, self.max_depth)
+        if limit < 1:
+            return 0
+        a = state.acceptance.value
+        measured = not state.reproducible
+        best = max(range(limit + 1), key=lambda n: (self.rate(n, a, measured), -n))
+        probed, state.probing = state.probing, False
+        if best > 0:
+            state.plain_steps = 0
+            state.probe_every = self.probe_every  # paying again: probe soon should it stop paying
+            state.rounds += 1
+            return min(best + 1, limit) if state.rounds % self.explore_every == 0 else best
+        if probed:  # the probe did not make speculation pay: wait longer before the next
+            state.probe_every = min(state.probe_every * 2, self.max_probe_every)
+        state.plain_steps += 1
+        if state.plain_steps < state.probe_every:
+            return 0
+        state.plain_steps = 0
+        state.probing = True
+        return min(self.probe_depth, limit)
+
+    def observe_plain(self, seconds: float) -> None:
+        """A plain decode step took `seconds`."""
+        self._verify.setdefault(0, Mean(self.cost_weight)).add(seconds)
+
+    def observe_round(
+        self,
+        state: RequestDepth,
+        drafted: int,
+        judged: int,
+        accepted: int,
+        draft_seconds: float,
+        verify_seconds: float,
+    ) -> None:
+        """A round drafted `drafted` tokens (≥ 1) in `draft_seconds` and verified them in
+        `verify_seconds`; `judged` of them were compared with the target (not those after the first
+        rejection or a stop), the first `accepted` were accepted."""
+        state.acceptance.update(accepted, judged)
+        self._global.update(accepted, judged)
+        self._verify.setdefault(drafted, Mean(self.cost_weight)).add(verify_seconds)
+        self._draft.add(draft_seconds / drafted)

@@ -1,0 +1,145 @@
+"""A draft model: any supported checkpoint sharing the target's tokenizer proposes tokens with its
+own caches, kept level with the target's committed tokens.
+
+Per proposal the drafter first rolls its caches back to the longest prefix of the run it holds
+(the target accepted some of the previous drafts and rejected the rest), then feeds the tokens it
+lacks in one forward and drafts k tokens one at a time, with a restore point scheduled after each
+fed draft token — the same capture mechanism as the target's verify pass, so the rollback works
+on every cache kind (KV rewinds, recurrent / conv layers restore a captured checkpoint).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from hybridlm.batch import Batch
+from hybridlm.cache.base import LayerCache, Snapshot
+from hybridlm.models.base import CausalLM
+from hybridlm.speculative.base import Draft, Drafter, TargetPolicy
+from hybridlm.speculative.verify import commit_caches
+
+QUANTIZATIONS = ("int8",)
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class DraftModel:
+    """A loaded draft model shared by every request; calling it makes one request's drafter.
+
+    prefill_chunk: most tokens per catch-up forward (a first proposal feeds the whole prompt).
+    """
+
+    def __init__(self, model: CausalLM, prefill_chunk: int = 512):
+        self.model = model
+        self.prefill_chunk = prefill_chunk
+
+    @classmethod
+    def load(
+        cls, path: str | Path, dtype: torch.dtype | None = None, device=None, quantize: str | None = None
+    ) -> DraftModel:
+        """Load a checkpoint directory; `quantize="int8"` makes every linear layer weight-only int8
+        (per-output-channel scales), halving the bytes a bf16 draft step reads."""
+        from hybridlm.models import load_model
+
+        if quantize not in (None, *QUANTIZATIONS):
+            raise ValueError(f"unknown draft quantization {quantize!r}; known: {', '.join(QUANTIZATIONS)}")
+        model = load_model(path, dtype=dtype, device=device)
+        if quantize == "int8":
+            from hybridlm.ops.linear import quantize_int8_
+
+            quantize_int8_(model)
+        return cls(model)
+
+    def __call__(self) -> DraftModelDrafter:
+        return DraftModelDrafter(self.model, self.prefill_chunk)
+
+
+class DraftModelDrafter(Drafter):
+    """One request's draft-model state: caches holding `fed` (a prefix of the run plus the drafts
+    of the last proposal but the final one) and the restore points of that proposal."""
+
+    def __init__(self, model: CausalLM, prefill_chunk: int = 512):
+        self.model = model
+        self.prefill_chunk = prefill_chunk
+        self.caches: list[LayerCache | None] = model.make_caches(1)
+        self.fed: list[int] = []
+        self._captures: list[list[Snapshot]] = []
+
+    @property
+    def _stateful(self) -> list[LayerCache]:
+        return [c for c in self.caches if c is not None]
+
+    def propose(self, tokens: list[int], k: int, policy: TargetPolicy) -> Draft:
+        """k tokens drawn greedily (greedy policy: deterministic, no q) or from the draft's own
+        distribution under the policy's temperature and filters (q returned)."""
+        keep = self._rollback(tokens)
+        end = len(tokens)
+        logits = None
+        for pos in range(keep, end, self.prefill_chunk):
+            piece = tokens[pos : pos + self.prefill_chunk]
+            if pos + len(piece) == end:
+                # Restore points after `end` and each fed draft but the last (the live state): only the
+                # last chunk is scheduled, so a sliding cache keeps no more rows than it needs.
+                for c in self._stateful:
+                    c.prepare_snapshots(list(range(end, end + k - 1)))
+            logits = self.model(Batch.single(piece, offset=pos, device=self.model.device), self.caches)
+        self.fed = list(tokens)
+        drafts, rows = [], []
+        for i in range(k):
+            token, q = self._pick(logits[0], policy)
+            drafts.append(token)
+            rows.append(q)
+            if i + 1 < k:
+                batch = Batch.single([token], offset=end + i, device=self.model.device)
+                logits = self.model(batch, self.caches)
+                self.fed.append(token)
+        self._captures = [c.take_snapshots() for c in self._stateful]
+        return Draft(drafts, None if policy.greedy else torch.stack(rows))
+
+    @staticmethod
+    def _pick(logits: torch.Tensor, policy: TargetPolicy) -> tuple[int, torch.Tensor | None]:
+        """One draft token from [V] logits: (token, q [V] or None when greedy)."""
+        if policy.greedy:
+            return int(logits.argmax()), None
+        q = policy.probs(logits)
+        return int(torch.multinomial(q, 1, generator=policy.generator)), q
+
+    def _rollback(self, tokens: list[int]) -> int:
+        """Bring the caches to the longest prefix of `tokens[:-1]` they can reach (the last token
+        is always fed: its logits start the draft); returns that offset."""
+        keep = common_prefix(self.fed, tokens[: len(tokens) - 1])
+        stateful = self._stateful
+        captures = self._captures or [[] for _ in stateful]
+        reachable = all(
+            c.offset == keep or c.can_rewind(keep) or any(s.end == keep for s in snaps)
+            for c, snaps in zip(stateful, captures, strict=True)
+        )
+        if reachable:
+            commit_caches(stateful, captures, keep)
+        self._free_captures()
+        if not reachable:  # diverged before the last proposal's restore points: start over
+            for c in stateful:
+                c.free()
+            keep = 0
+        self.fed = self.fed[:keep]
+        return keep
+
+    def _free_captures(self) -> None:
+        for snaps in self._captures:
+            for snap in snaps:
+                snap.free()
+        self._captures = []
+
+    def close(self) -> None:
+        self._free_captures()
+        for c in self._stateful:
+            c.free()
+        self.fed = []

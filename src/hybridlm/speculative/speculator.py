@@ -1,0 +1,125 @@
+"""Engine-facing speculative decoding: a drafter per request, one depth controller for all, and
+the counters `usage.speculative` and `/metrics` report."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from hybridlm.cache.base import LayerCache
+from hybridlm.speculative.base import Draft, Drafter, TargetPolicy
+from hybridlm.speculative.controller import DepthController
+from hybridlm.speculative.verify import Emit, VerifyResult, verify_and_commit
+
+
+@dataclass
+class SpeculationCounts:
+    """Draft tokens verified, of those accepted, and verify passes (a plain step counts in none);
+    per draft position i (0-based): how often it was judged against the target and accepted.
+    Totals are written by the engine thread and read unlocked by `/metrics` (a scrape may see one
+    round half counted)."""
+
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    verify_passes: int = 0
+    judged_at: list[int] = field(default_factory=list)
+    accepted_at: list[int] = field(default_factory=list)
+
+    def add(self, result: VerifyResult, judged: int) -> None:
+        """Count a verify pass whose first `judged` draft positions were compared with the target."""
+        self.drafted_tokens += result.drafted
+        self.accepted_tokens += result.accepted
+        self.verify_passes += 1
+        grow = judged - len(self.judged_at)
+        if grow > 0:
+            self.judged_at += [0] * grow
+            self.accepted_at += [0] * grow
+        for i in range(judged):
+            self.judged_at[i] += 1
+            self.accepted_at[i] += i < result.accepted
+
+    def acceptance_by_position(self) -> list[float]:
+        """Fraction of judged drafts accepted, per draft position."""
+        return [a / j if j else 0.0 for a, j in zip(self.accepted_at, self.judged_at, strict=True)]
+
+
+class Speculator:
+    """Speculative decoding for one engine.
+
+    make_drafter: returns a fresh `Drafter` per request (e.g. `NgramDrafter`, a `DraftModel`).
+    max_depth: most draft tokens per verify pass (ignored when a `controller` is given).
+    """
+
+    def __init__(
+        self,
+        make_drafter: Callable[[], Drafter],
+        max_depth: int = 8,
+        controller: DepthController | None = None,
+    ):
+        self.make_drafter = make_drafter
+        self.controller = controller or DepthController(max_depth=max_depth)
+        self.totals = SpeculationCounts()
+
+    def start(self, prompt_ids: list[int], reproducible: bool = False) -> RequestSpeculation:
+        """A request's speculation; `reproducible` (seeded sampling) keeps its draft lengths
+        independent of timings and other requests (see `RequestDepth`)."""
+        return RequestSpeculation(self, prompt_ids, reproducible)
+
+
+class RequestSpeculation:
+    """One request's speculative decoding. Each decode step the engine asks `propose` for a draft
+    (None: decode plainly this step and report the time with `observe_plain`), then `verify`s it."""
+
+    def __init__(self, owner: Speculator, prompt_ids: list[int], reproducible: bool = False):
+        self.owner = owner
+        self.drafter = owner.make_drafter()
+        self.depth = owner.controller.start(reproducible)
+        self.run = list(prompt_ids)  # prompt + emitted tokens, extended lazily from the engine's output
+        self.prompt_len = len(prompt_ids)
+        self.counts = SpeculationCounts()
+        self._draft_seconds = 0.0
+
+    def propose(self, output_ids: list[int], limit: int, policy: TargetPolicy) -> Draft | None:
+        """A draft continuing prompt + `output_ids` of at most `limit` tokens (the controller picks
+        the length), or None for a plain step."""
+        depth = self.owner.controller.depth(self.depth, limit)
+        if depth == 0:
+            return None
+        self.run.extend(output_ids[len(self.run) - self.prompt_len :])
+        t0 = time.perf_counter()
+        draft = self.drafter.propose(self.run, depth, policy)
+        self._draft_seconds = time.perf_counter() - t0
+        return draft if len(draft) else None
+
+    def verify(
+        self,
+        model,
+        caches: Sequence[LayerCache | None],
+        draft: Draft,
+        offset: int,
+        policy: TargetPolicy,
+        emit: Emit,
+    ) -> VerifyResult:
+        """Verify the draft `propose` just returned after the last emitted token (see
+        `verify_and_commit`) and learn from the outcome."""
+        t0 = time.perf_counter()
+        result = verify_and_commit(model, caches, self.run[-1], draft, offset, policy, emit)
+        seconds = time.perf_counter() - t0
+        if result.stopped and len(result.tokens) == result.accepted:
+            judged = result.accepted  # stopped on an accepted draft: the rest was never compared
+        else:
+            judged = min(result.accepted + 1, result.drafted)
+        self.owner.controller.observe_round(
+            self.depth, result.drafted, judged, result.accepted, self._draft_seconds, seconds
+        )
+        self.counts.add(result, judged)
+        self.owner.totals.add(result, judged)
+        return result
+
+    def observe_plain(self, seconds: float) -> None:
+        """A plain decode step (forward and sampling) took `seconds`."""
+        self.owner.controller.observe_plain(seconds)
+
+    def close(self) -> None:
+        self.drafter.close()

@@ -1,0 +1,75 @@
+"""The depth controller on simulated rounds: deep drafts when they are accepted and verification is
+cheap, plain decoding (with rare probes) when drafts are never accepted or drafting costs too much,
+reproducible decisions for seeded requests."""
+
+from __future__ import annotations
+
+import random
+
+from hybridlm.speculative import DepthController
+
+
+def simulate(controller, steps, acceptance, verify_cost, draft_cost=0.0, seed=0, state=None):
+    """Decode `steps` rounds; drafts are accepted position by position with probability
+    `acceptance`; a verify pass with n drafts costs verify_cost(n) seconds, drafting n tokens
+    n·draft_cost. Returns the depth of every round (0: plain step)."""
+    rng = random.Random(seed)
+    state = state or controller.start()
+    depths = []
+    for _ in range(steps):
+        n = controller.depth(state, limit=100)
+        depths.append(n)
+        if n == 0:
+            controller.observe_plain(verify_cost(0))
+            continue
+        accepted = 0
+        while accepted < n and rng.random() < acceptance:
+            accepted += 1
+        judged = min(accepted + 1, n)
+        controller.observe_round(state, n, judged, accepted, n * draft_cost, verify_cost(n))
+    return depths
+
+
+def test_accepted_drafts_and_cheap_verification_draft_deep():
+    controller = DepthController(max_depth=8)
+    depths = simulate(controller, 60, acceptance=1.0, verify_cost=lambda n: 1.0 + 0.05 * n)
+    assert depths[-40:] == [8] * 40
+
+
+def test_never_accepted_drafts_back_off_to_plain_decoding_with_rare_probes():
+    controller = DepthController(max_depth=8)
+    depths = simulate(controller, 600, acceptance=0.0, verify_cost=lambda n: 1.0 + 0.1 * n)
+    rounds = [i for i, n in enumerate(depths) if n > 0]
+    assert len(rounds) <= 14, rounds  # a few rounds to learn, then probes at doubling intervals
+    gaps = [b - a for a, b in zip(rounds[-4:], rounds[-3:], strict=False)]
+    assert min(gaps) >= 64
+    extra = sum(0.1 * depths[i] for i in rounds) / len(depths)  # cost above plain decoding
+    assert extra < 0.02
+
+
+def test_probes_bring_speculation_back_when_drafts_start_to_pay():
+    controller = DepthController(max_depth=8)
+    state = controller.start()
+    simulate(controller, 100, acceptance=0.0, verify_cost=lambda n: 1.0 + 0.1 * n, state=state)
+    depths = simulate(controller, 300, acceptance=0.95, verify_cost=lambda n: 1.0 + 0.1 * n, state=state)
+    assert sum(n > 0 for n in depths[-50:]) == 50
+
+
+def test_expensive_drafting_backs_off_and_moderate_acceptance_drafts_shallow():
+    costly = DepthController(max_depth=8)
+    depths = simulate(costly, 200, acceptance=0.9, verify_cost=lambda n: 1.0 + 0.05 * n, draft_cost=1.0)
+    assert sum(n > 0 for n in depths[-100:]) <= 5
+    moderate = DepthController(max_depth=8)
+    depths = simulate(moderate, 300, acceptance=0.7, verify_cost=lambda n: 1.0 + 0.3 * n)
+    assert 1 <= sorted(depths[-100:])[50] <= 4  # the best is 2 (1.37 tokens per plain-step time)
+
+
+def test_seeded_requests_decide_from_their_own_outcomes_only():
+    """Other requests and measured timings change the controller's shared state; a reproducible
+    request's depths depend only on its own accept / reject history."""
+    runs = []
+    for noise_seed in (1, 2):
+        controller = DepthController(max_depth=8)
+        simulate(controller, 50, acceptance=noise_seed / 3, verify_cost=lambda n, s=noise_seed: s + n)
+        runs.append(simulate(controller, 80, 0.7, lambda n: 1.0, seed=9, state=controller.start(True)))
+    assert runs[0] == runs[1]
