@@ -16,7 +16,11 @@ medians reported, load average noted because the machine may be shared):
 
 Reported per scenario: decode tok/s and speedup over plain, acceptance rate per draft position,
 mean tokens committed per verify pass, the verify pass cost by draft length (ms), and whether the
-output equals plain greedy decoding token for token.
+output equals plain greedy decoding token for token. (Where a verify row is not computed
+bit-identically to a decode step — in bf16 the matvec kernel's tiling beyond 4 rows, the chunked
+gated-delta path beyond 4 tokens and masked attention round differently — near-ties flip, the
+output drifts from plain greedy and the copy drafts stop matching from there on; float32 keeps
+them identical.)
 """
 
 from __future__ import annotations
