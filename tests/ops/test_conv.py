@@ -3,12 +3,15 @@ ragged rows, split points)."""
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hybridlm.ops import conv as conv_mod
 from hybridlm.ops.conv import causal_conv1d
 
 
@@ -185,3 +188,20 @@ def test_property_split_calls_equal_one_call(B, L, K, data):
     out, tail, _ = causal_conv1d(x[:, start:], weight, b, tail, activation="silu")
     torch.testing.assert_close(torch.cat((*outs, out), dim=1), out_all, atol=1e-6, rtol=1e-6)
     assert torch.equal(tail, tail_all)
+
+
+@pytest.mark.skipif(conv_mod.CONV_KERNEL.get() is None, reason="conv kernel could not be built")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("L", [1, 4, conv_mod.FUSED_MAX_LEN])
+def test_fused_short_conv_equals_the_torch_path(monkeypatch, dtype, L):
+    """Few-token inputs run the C kernel; outputs, tails and boundary tails equal the torch path's
+    (bf16: the same rounding points, up to one ulp from the summation order)."""
+    x, w, b, prior = make_inputs(3, L, 40, 4, dtype=dtype, seed=L)
+    kw = dict(activation="silu", query_lens=[L, max(L - 2, 0), 1], splits=[0, 1, L])
+    got = causal_conv1d(x, w, b, prior, **kw)
+    monkeypatch.setattr(conv_mod, "CONV_KERNEL", types.SimpleNamespace(get=lambda: None))
+    want = causal_conv1d(x, w, b, prior, **kw)
+    tol = dict(atol=1e-6, rtol=1e-5) if dtype is torch.float32 else dict(atol=2**-6, rtol=2**-7)
+    torch.testing.assert_close(got[0], want[0], **tol)
+    assert torch.equal(got[1], want[1])
+    assert len(got[2]) == 3 and all(torch.equal(g, e) for g, e in zip(got[2], want[2], strict=True))

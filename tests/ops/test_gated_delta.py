@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+import types
 
 import pytest
 import torch
@@ -11,7 +12,14 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybridlm.ops.gated_delta import gated_delta_rule
+from hybridlm.ops import gated_delta as gated_delta_mod
+from hybridlm.ops.gated_delta import (
+    FUSED_MAX_LEN,
+    GDN_KERNEL,
+    _composed_scan,
+    gated_delta_net_scan,
+    gated_delta_rule,
+)
 
 # As the engine does: subnormal intermediates (from strongly decaying heads) take slow CPU paths.
 torch.set_flush_denormal(True)
@@ -249,3 +257,109 @@ def test_property_splitting_changes_neither_output_nor_final_state(B, L, H, chun
     for t, bound in zip(splits, bounds, strict=True):
         prefix_state = gated_delta_rule(q[:, :t], k[:, :t], v[:, :t], g[:, :t], beta[:, :t], state)[1]
         assert_close(bound, prefix_state)
+
+
+# gated_delta_net_scan: a Gated DeltaNet layer's scan from its projections, fused in C for few tokens.
+
+needs_fused = pytest.mark.skipif(GDN_KERNEL.get() is None, reason="fused GDN kernel could not be built")
+
+
+def gdn_inputs(B, L, Hk, Hv, Dk, Dv, dtype, seed=0):
+    """Conv output q‖k‖v, raw gates a‖b, A_log, dt_bias (bf16 parameters in a bf16 model) and a state."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, L, 2 * Hk * Dk + Hv * Dv, generator=gen).to(dtype)
+    ab = (2 * torch.randn(B, L, 2 * Hv, generator=gen)).to(dtype)
+    A_log = torch.empty(Hv).uniform_(math.log(0.01), math.log(16.0), generator=gen).to(dtype)
+    dt_bias = torch.rand(Hv, generator=gen).to(dtype)
+    state = 0.5 * torch.randn(B, Hv, Dk, Dv, generator=gen)
+    return x, ab, A_log, dt_bias, state
+
+
+def gdn_scan(inputs, heads, *, fused, **kw):
+    x, ab, A_log, dt_bias, state = inputs
+    Hk, Hv, Dk, Dv = heads
+    args = (x, ab, A_log, dt_bias, state, Hk, Dk, Hv, Dv, kw.get("query_lens"), kw.get("splits", ()),
+            kw.get("inplace", False))
+    if not fused:
+        return _composed_scan(*args)
+    names = ("query_lens", "splits", "inplace")
+    return gated_delta_net_scan(*args[:5], k_heads=Hk, k_dim=Dk, v_heads=Hv, v_dim=Dv,
+                                **dict(zip(names, args[9:], strict=True)))
+
+
+def gdn_reference(inputs, heads):
+    """The composed math in float64: (o, final state)."""
+    x, ab, A_log, dt_bias, state = (t.double() for t in inputs)
+    Hk, Hv, Dk, Dv = heads
+    B, L, _ = x.shape
+    q, k, v = torch.split(x, [Hk * Dk, Hk * Dk, Hv * Dv], dim=-1)
+    q = F.normalize(q.reshape(B, L, Hk, Dk), dim=-1, eps=0).repeat_interleave(Hv // Hk, dim=2)
+    k = F.normalize(k.reshape(B, L, Hk, Dk), dim=-1, eps=0).repeat_interleave(Hv // Hk, dim=2)
+    a, b = ab.split(Hv, dim=-1)
+    g = -A_log.exp() * F.softplus(a + dt_bias)
+    return reference(q, k, v.reshape(B, L, Hv, Dv), g, b.sigmoid(), state)
+
+
+GDN_HEADS = [(2, 4, 16, 8), (3, 3, 8, 24)]
+
+
+@needs_fused
+@pytest.mark.parametrize("heads", GDN_HEADS)
+@pytest.mark.parametrize("L", [1, 3, 17, FUSED_MAX_LEN])
+def test_fused_scan_matches_float64_reference_and_composed_ops(heads, L):
+    inputs = gdn_inputs(2, L, *heads, torch.float32, seed=L)
+    o, state, _ = gdn_scan(inputs, heads, fused=True)
+    ref_o, ref_state = gdn_reference(inputs, heads)
+    assert_close(o, ref_o, atol=2e-5, rtol=2e-5)
+    assert_close(state, ref_state, atol=2e-5, rtol=2e-5)
+    co, cstate, _ = gdn_scan(inputs, heads, fused=False)
+    assert_close(o, co, atol=2e-5, rtol=2e-5)
+    assert_close(state, cstate, atol=2e-5, rtol=2e-5)
+
+
+@needs_fused
+@pytest.mark.parametrize("L", [1, 5])
+def test_fused_scan_in_bf16_rounds_like_the_composed_ops(L):
+    heads = GDN_HEADS[0]
+    inputs = gdn_inputs(1, L, *heads, torch.bfloat16, seed=7)
+    o, state, _ = gdn_scan(inputs, heads, fused=True)
+    co, cstate, _ = gdn_scan(inputs, heads, fused=False)
+    assert o.dtype == torch.bfloat16 and state.dtype == torch.float32
+    # Both round the same float32 values once; only summation order differs.
+    assert (o.float() - co.float()).abs().max() <= 2**-7 * co.float().abs().max()
+    assert_close(state, cstate, atol=1e-5, rtol=1e-5)
+
+
+@needs_fused
+def test_fused_scan_boundaries_ragged_rows_and_inplace_state():
+    heads = GDN_HEADS[0]
+    inputs = gdn_inputs(3, 6, *heads, torch.float32, seed=3)
+    kw = dict(query_lens=[6, 2, 4], splits=[0, 1, 3, 6])
+    given_state = inputs[4].clone()
+    o, state, bounds = gdn_scan(inputs, heads, fused=True, **kw)
+    assert torch.equal(inputs[4], given_state), "not inplace: the given state is left alone"
+    co, cstate, cbounds = gdn_scan(inputs, heads, fused=False, **kw)
+    assert_close(o, co, atol=2e-5, rtol=2e-5)
+    assert_close(state, cstate, atol=2e-5, rtol=2e-5)
+    assert len(bounds) == len(cbounds) == 4
+    for got, want in zip(bounds, cbounds, strict=True):
+        assert_close(got, want, atol=2e-5, rtol=2e-5)
+    assert (o[1, 2:] == 0).all() and (o[2, 4:] == 0).all(), "padded positions output zeros"
+    live = inputs[4].clone()
+    _, final, _ = gdn_scan((*inputs[:4], live), heads, fused=True, inplace=True, **kw)
+    assert final is live and torch.equal(live, state)
+
+
+@pytest.mark.parametrize(("L", "get"), [(FUSED_MAX_LEN + 1, "refuse"), (3, "unavailable")])
+def test_longer_inputs_and_a_missing_kernel_use_the_composed_ops(monkeypatch, L, get):
+    heads = GDN_HEADS[0]
+    inputs = gdn_inputs(1, L, *heads, torch.float32, seed=5)
+    kernel = types.SimpleNamespace(get=_no_kernel if get == "refuse" else lambda: None)
+    monkeypatch.setattr(gated_delta_mod, "GDN_KERNEL", kernel)
+    o, state, _ = gdn_scan(inputs, heads, fused=True)
+    co, cstate, _ = gdn_scan(inputs, heads, fused=False)
+    assert torch.equal(o, co) and torch.equal(state, cstate)
+
+
+def _no_kernel():
+    raise AssertionError("the fused kernel was asked for")

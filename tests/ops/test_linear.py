@@ -10,7 +10,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridlm.ops import linear as linear_mod
+from hybridlm.ops import native
 from hybridlm.ops.linear import MAX_FAST_ROWS, Int8Linear, Linear, fast_path_available, linear, quantize_int8_
+from hybridlm.ops.native import NativeKernel
 
 needs_kernel = pytest.mark.skipif(not fast_path_available(), reason="bf16 matvec kernel could not be built")
 
@@ -109,9 +111,17 @@ def test_state_dict_compatible_with_nn_linear():
     torch.testing.assert_close(layer(x), ref(x))
 
 
+def fresh_kernel(monkeypatch) -> NativeKernel:
+    """An unbuilt copy of the linear kernel, installed in place of the module's."""
+    k = linear_mod.KERNEL
+    kernel = NativeKernel(k.name, k.source, k.symbol, k.argtypes, k.restype, k.fallback)
+    monkeypatch.setattr(linear_mod, "KERNEL", kernel)
+    return kernel
+
+
 def test_disabled_by_env(monkeypatch):
     monkeypatch.setenv("HYBRIDLM_COMPILE", "0")
-    monkeypatch.setattr(linear_mod, "_state", linear_mod._KernelState())
+    fresh_kernel(monkeypatch)
     assert not fast_path_available()
     w = torch.randn(20, 64).to(torch.bfloat16)
     x = torch.randn(1, 64).to(torch.bfloat16)
@@ -122,10 +132,10 @@ def test_build_failure_falls_back_with_one_warning(monkeypatch, tmp_path, caplog
     monkeypatch.delenv("HYBRIDLM_COMPILE", raising=False)
     monkeypatch.setenv("CC", "/bin/false")
     monkeypatch.setenv("HYBRIDLM_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(linear_mod, "_state", linear_mod._KernelState())
+    fresh_kernel(monkeypatch)
     w = torch.randn(20, 64).to(torch.bfloat16)
     x = torch.randn(1, 64).to(torch.bfloat16)
-    with caplog.at_level(logging.WARNING, logger=linear_mod.__name__):
+    with caplog.at_level(logging.WARNING, logger=native.__name__):
         for _ in range(3):
             assert torch.equal(linear(x, w), F.linear(x, w))
     assert len(caplog.records) == 1 and "F.linear" in caplog.records[0].getMessage()
@@ -134,14 +144,14 @@ def test_build_failure_falls_back_with_one_warning(monkeypatch, tmp_path, caplog
 @needs_kernel
 def test_lazy_build_is_thread_safe(monkeypatch):
     builds = []
-    build = linear_mod._build
+    kernel = fresh_kernel(monkeypatch)
+    build = kernel.build
 
     def counting_build():
         builds.append(1)
         return build()
 
-    monkeypatch.setattr(linear_mod, "_build", counting_build)
-    monkeypatch.setattr(linear_mod, "_state", linear_mod._KernelState())
+    monkeypatch.setattr(kernel, "build", counting_build)
     w = torch.randn(64, 128).to(torch.bfloat16)
     x = torch.randn(1, 128).to(torch.bfloat16)
     results = [None] * 4

@@ -13,9 +13,9 @@ from hybridlm.batch import Batch
 from hybridlm.cache import KVCache, RecurrentCache, SlidingKVCache
 from hybridlm.ops.attention import attention
 from hybridlm.ops.conv import causal_conv1d
-from hybridlm.ops.gated_delta import gated_delta_rule
+from hybridlm.ops.gated_delta import gated_delta_net_scan
 from hybridlm.ops.linear import Linear
-from hybridlm.ops.norms import GatedRMSNorm, l2_normalize
+from hybridlm.ops.norms import GatedRMSNorm
 from hybridlm.ops.rope import Rotary, apply_rotary
 
 ACTIVATIONS = {
@@ -163,18 +163,9 @@ class GatedDeltaNet(nn.Module):
         x, tail, tails = causal_conv1d(
             qkv, conv_w, None, conv_tail, activation="silu", query_lens=query_lens, splits=splits
         )
-        q, k, v = torch.split(x, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q = l2_normalize(q.reshape(b, length, self.k_heads, self.k_dim).float())
-        k = l2_normalize(k.reshape(b, length, self.k_heads, self.k_dim).float())
-        v = v.reshape(b, length, self.v_heads, self.v_dim)
-        if self.v_heads != self.k_heads:
-            rep = self.v_heads // self.k_heads
-            q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
-        a, beta_in = ab.split(self.v_heads, dim=-1)
-        beta = beta_in.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        o, state, states = gated_delta_rule(
-            q, k, v, g, beta, state, query_lens=query_lens, splits=splits, inplace=inplace
+        o, state, states = gated_delta_net_scan(
+            x, ab, self.A_log, self.dt_bias, state, k_heads=self.k_heads, k_dim=self.k_dim,
+            v_heads=self.v_heads, v_dim=self.v_dim, query_lens=query_lens, splits=splits, inplace=inplace,
         )
         return o, tail, state, list(zip(tails, states, strict=True))
 

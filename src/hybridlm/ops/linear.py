@@ -17,23 +17,14 @@ error) the fallback is ``F.linear`` with one logged warning.
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import threading
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["MAX_FAST_ROWS", "Int8Linear", "Linear", "fast_path_available", "linear", "quantize_int8_"]
+from hybridlm.ops.native import BF16_HELPERS, NativeKernel
 
-logger = logging.getLogger(__name__)
+__all__ = ["MAX_FAST_ROWS", "Int8Linear", "Linear", "fast_path_available", "linear", "quantize_int8_"]
 
 # Up to this many input rows the kernel beats oneDNN (2 cores, benchmarks/matvec.py): at 4 rows
 # ~24 GB/s against ~18. Each row costs two fp32 FMAs per weight pair, so from 5 rows on the kernel
@@ -48,10 +39,8 @@ MAX_FAST_ROWS = 4
 # and the odd one as `u & 0xffff0000`, so x is pre-converted to fp32 with each 32-block split
 # into its 16 even then 16 odd elements, and the inner loop needs no shuffles. GCC vector
 # extensions keep this portable; -march=native picks AVX-512/AVX2/NEON widths.
-_KERNEL_SOURCE = r"""
-#include <stdint.h>
+_KERNEL_SOURCE = BF16_HELPERS + r"""
 #include <stdlib.h>
-#include <string.h>
 
 typedef float f32x16 __attribute__((vector_size(64)));
 typedef float f32x8 __attribute__((vector_size(32)));
@@ -63,14 +52,6 @@ typedef uint32_t u32x16 __attribute__((vector_size(64)));
 
 static inline u32x16 load_u32x16(const void* p) { u32x16 v; memcpy(&v, p, sizeof v); return v; }
 static inline f32x16 load_f32x16(const float* p) { f32x16 v; memcpy(&v, p, sizeof v); return v; }
-static inline float bf16_to_f32(uint16_t v) {
-    uint32_t u = (uint32_t)v << 16; float f; memcpy(&f, &u, 4); return f;
-}
-static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, keep NaN a NaN */
-    uint32_t u; memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
 static inline float hsum(f32x16 v) {
     f32x8 a, b; memcpy(&a, &v, 32); memcpy(&b, (char*)&v + 32, 32); a += b;
     f32x4 c, d; memcpy(&c, &a, 16); memcpy(&d, (char*)&a + 16, 16); c += d;
@@ -164,89 +145,20 @@ int hybridlm_linear_bf16(const uint16_t* x, int64_t M, const uint16_t* w, const 
 }
 """
 
-# -fopenmp: the library then needs libgomp.so.1, which the dynamic loader resolves to the copy
-# torch already loaded, so the kernel shares torch's OpenMP thread pool instead of adding one.
-_CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
-
-
-class _KernelState:
-    """The lazily built kernel: ``fn`` once ``resolved`` (None when disabled or unbuildable)."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.resolved = False
-        self.fn: ctypes._CFuncPtr | None = None
-
-
-_state = _KernelState()
-
-
-def _cache_dir() -> Path:
-    """``$HYBRIDLM_CACHE_DIR/kernels`` (default ``~/.cache/hybridlm``), else a per-user temp dir."""
-    base = Path(os.environ.get("HYBRIDLM_CACHE_DIR") or Path.home() / ".cache" / "hybridlm")
-    for path in (base / "kernels", Path(tempfile.gettempdir()) / f"hybridlm-{os.getuid()}"):
-        try:
-            path.mkdir(parents=True, exist_ok=True)
-        except OSError:
-            continue
-        if os.access(path, os.W_OK):
-            return path
-    raise RuntimeError(f"no writable directory for the compiled kernel (tried {base / 'kernels'})")
-
-
-def _cpu_signature() -> str:
-    """CPU model and feature flags: a library built with -march=native only runs on such CPUs."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = [ln for ln in f if ln.startswith(("model name", "flags", "Features"))]
-        return "".join(sorted(set(lines)))
-    except OSError:
-        return platform.processor()
-
-
-def _build() -> ctypes._CFuncPtr:
-    """Compile (or reuse the cached build of) the kernel and return its entry point."""
-    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if cc is None:
-        raise RuntimeError("no C compiler found (set CC)")
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
-    parts = [_KERNEL_SOURCE, cc, version, " ".join(_CFLAGS), platform.machine(), _cpu_signature()]
-    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
-    lib_path = _cache_dir() / f"linear_bf16-{key}.so"
-    if not lib_path.exists():
-        with tempfile.TemporaryDirectory(dir=lib_path.parent) as tmp:
-            src = Path(tmp) / "linear_bf16.c"
-            src.write_text(_KERNEL_SOURCE)
-            out = Path(tmp) / lib_path.name
-            proc = subprocess.run([cc, *_CFLAGS, str(src), "-o", str(out)], capture_output=True, text=True)
-            if proc.returncode != 0:
-                raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-2000:]}")
-            # Atomic, so concurrent processes never load a half-written library.
-            os.replace(out, lib_path)
-    fn = ctypes.CDLL(str(lib_path)).hybridlm_linear_bf16
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    fn.argtypes = [p, i64, p, p, p, i64, i64, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-def _kernel() -> ctypes._CFuncPtr | None:
-    """The bf16 kernel, built on first use; None when HYBRIDLM_COMPILE=0 or the build failed."""
-    if not _state.resolved:
-        with _state.lock:
-            if not _state.resolved:
-                if os.environ.get("HYBRIDLM_COMPILE", "1") != "0":
-                    try:
-                        _state.fn = _build()
-                    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-                        logger.warning("fast bf16 matvec kernel unavailable, using F.linear: %s", exc)
-                _state.resolved = True
-    return _state.fn
+_p, _i64 = ctypes.c_void_p, ctypes.c_int64
+KERNEL = NativeKernel(
+    "linear_bf16",
+    _KERNEL_SOURCE,
+    "hybridlm_linear_bf16",
+    [_p, _i64, _p, _p, _p, _i64, _i64, ctypes.c_int],
+    ctypes.c_int,
+    fallback="F.linear",
+)
 
 
 def fast_path_available() -> bool:
     """Whether few-row bf16 CPU inputs use the kernel (building it now if needed)."""
-    return _kernel() is not None
+    return KERNEL.get() is not None
 
 
 def _kernel_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -286,7 +198,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     Returns:
         [..., out] in x's dtype; on the kernel path fp32-accumulated and rounded to bf16 once.
     """
-    fn = _kernel() if _kernel_applies(x, weight, bias) else None
+    fn = KERNEL.get() if _kernel_applies(x, weight, bias) else None
     if fn is None:
         return F.linear(x, weight, bias)
     n, k = weight.shape

@@ -1,0 +1,136 @@
+"""Small C kernels compiled with the system C compiler on first use and cached on disk.
+
+The CPU decode path is dominated by per-call overhead of many tiny ATen ops and by memory-bound
+matrix-vector products; a few fused C loops (``ops.linear``, ``ops.gated_delta``) remove both. Each
+kernel is one C source with one entry point, built with ``-O3 -march=native -fopenmp`` into
+``$HYBRIDLM_CACHE_DIR/kernels`` (default ``~/.cache/hybridlm/kernels``) under a name keyed by the
+source, compiler, flags and CPU, so a changed kernel or machine never loads a stale build.
+
+Set ``HYBRIDLM_COMPILE=0`` to disable every kernel; if one cannot be built (no compiler, build
+error) its callers fall back to plain torch with one logged warning.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+# -fopenmp: the library then needs libgomp.so.1, which the dynamic loader resolves to the copy
+# torch already loaded, so the kernels share torch's OpenMP thread pool instead of adding one.
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
+
+# Shared by the kernels' sources: bf16 is the upper half of an fp32.
+BF16_HELPERS = r"""
+#include <stdint.h>
+#include <string.h>
+static inline float bf16_to_f32(uint16_t v) {
+    uint32_t u = (uint32_t)v << 16; float f; memcpy(&f, &u, 4); return f;
+}
+static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, keep NaN a NaN */
+    uint32_t u; memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+"""
+
+
+def cache_dir() -> Path:
+    """``$HYBRIDLM_CACHE_DIR/kernels`` (default ``~/.cache/hybridlm``), else a per-user temp dir."""
+    base = Path(os.environ.get("HYBRIDLM_CACHE_DIR") or Path.home() / ".cache" / "hybridlm")
+    for path in (base / "kernels", Path(tempfile.gettempdir()) / f"hybridlm-{os.getuid()}"):
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            continue
+        if os.access(path, os.W_OK):
+            return path
+    raise RuntimeError(f"no writable directory for compiled kernels (tried {base / 'kernels'})")
+
+
+def _cpu_signature() -> str:
+    """CPU model and feature flags: a library built with -march=native only runs on such CPUs."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags", "Features"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor()
+
+
+def compile_library(name: str, source: str) -> Path:
+    """Compile `source` into a shared library (or reuse the cached build) and return its path."""
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        raise RuntimeError("no C compiler found (set CC)")
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
+    parts = [source, cc, version, " ".join(CFLAGS), platform.machine(), _cpu_signature()]
+    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+    lib_path = cache_dir() / f"{name}-{key}.so"
+    if not lib_path.exists():
+        with tempfile.TemporaryDirectory(dir=lib_path.parent) as tmp:
+            src = Path(tmp) / f"{name}.c"
+            src.write_text(source)
+            out = Path(tmp) / lib_path.name
+            proc = subprocess.run([cc, *CFLAGS, str(src), "-o", str(out)], capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-2000:]}")
+            # Atomic, so concurrent processes never load a half-written library.
+            os.replace(out, lib_path)
+    return lib_path
+
+
+class NativeKernel:
+    """One C entry point, built on first `get()` (thread-safe, at most once per process).
+
+    name: library file stem; symbol: the exported function; argtypes / restype: its ctypes
+    signature; fallback: what callers do without it (named in the one warning a failed build logs).
+    """
+
+    def __init__(self, name: str, source: str, symbol: str, argtypes: list, restype, fallback: str):
+        self.name, self.source, self.symbol = name, source, symbol
+        self.argtypes, self.restype, self.fallback = argtypes, restype, fallback
+        self._lock = threading.Lock()
+        self._resolved = False
+        self._fn: ctypes._CFuncPtr | None = None
+
+    def build(self) -> ctypes._CFuncPtr:
+        """Compile (or reuse the cached build) and return the entry point."""
+        fn = getattr(ctypes.CDLL(str(compile_library(self.name, self.source))), self.symbol)
+        fn.argtypes, fn.restype = self.argtypes, self.restype
+        return fn
+
+    def get(self) -> ctypes._CFuncPtr | None:
+        """The entry point; None when HYBRIDLM_COMPILE=0 or the build failed."""
+        if not self._resolved:
+            with self._lock:
+                if not self._resolved:
+                    if os.environ.get("HYBRIDLM_COMPILE", "1") != "0":
+                        try:
+                            self._fn = self.build()
+                        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+                            logger.warning(
+                                "%s kernel unavailable, using %s: %s", self.name, self.fallback, exc
+                            )
+                    self._resolved = True
+        return self._fn
+
+
+def split_args(splits, bounds, query_lens) -> tuple:
+    """The ctypes arguments ``(bounds, splits, nsplit, lens)`` of a scan kernel: an array of the
+    boundary tensors' pointers (each its own allocation, so a stored boundary pins nothing else),
+    the split offsets, their count, and per-row real lengths (or NULL)."""
+    n = len(splits)
+    ptrs = (ctypes.c_void_p * n)(*(t.data_ptr() for t in bounds)) if n else None
+    at = (ctypes.c_int64 * n)(*splits) if n else None
+    lens = None if query_lens is None else (ctypes.c_int64 * len(query_lens))(*map(int, query_lens))
+    return ptrs, at, n, lens

@@ -1,0 +1,66 @@
+"""RMSNorm variants: the fused C path for few-row CPU inputs against the torch composition (the
+reference implementations' cast order) and against float64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hybridlm.ops import norms
+from hybridlm.ops.norms import GatedRMSNorm, OffsetRMSNorm, RMSNorm, rms_normalize
+
+needs_kernel = pytest.mark.skipif(norms.NORM_KERNEL.get() is None, reason="norm kernel could not be built")
+
+
+def composed(norm, x, gate=None):
+    """The torch ops the module runs without the kernel."""
+    if isinstance(norm, RMSNorm):
+        return norm.weight * rms_normalize(x, norm.eps).to(x.dtype)
+    if isinstance(norm, OffsetRMSNorm):
+        return (rms_normalize(x, norm.eps) * (1.0 + norm.weight.float())).to(x.dtype)
+    y = norm.weight * rms_normalize(x, norm.eps).to(x.dtype)
+    return (y * F.silu(gate.float())).to(x.dtype)
+
+
+def make(cls, dim, dtype, seed):
+    torch.manual_seed(seed)
+    norm = cls(dim, eps=1e-6).to(dtype).requires_grad_(False)
+    norm.weight.copy_(torch.randn(dim))
+    return norm
+
+
+@needs_kernel
+@pytest.mark.parametrize("cls", [RMSNorm, OffsetRMSNorm, GatedRMSNorm])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 1, 64), (2, 3, 4, 24), (5, 7)])
+def test_fused_norm_equals_the_torch_composition(cls, dtype, shape):
+    norm = make(cls, shape[-1], dtype, seed=len(shape))
+    x = (3 * torch.randn(shape)).to(dtype)
+    gate = torch.randn(shape).to(dtype) if cls is GatedRMSNorm else None
+    args = (x,) if gate is None else (x, gate)
+    got, want = norm(*args), composed(norm, *args)
+    assert got.dtype == dtype and got.shape == x.shape
+    if dtype is torch.float32:
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    else:  # same rounding points; a sum order can move a value across a rounding boundary
+        ulps = (got.float() - want.float()).abs() / want.float().abs().clamp_min(1e-3)
+        assert (ulps <= 2**-7).all() and (got == want).float().mean() > 0.95
+
+
+@needs_kernel
+def test_fused_norm_matches_float64():
+    norm = make(OffsetRMSNorm, 48, torch.float32, seed=3)
+    x = torch.randn(4, 48)
+    ref = x.double() / x.double().pow(2).mean(-1, keepdim=True).add(1e-6).sqrt() * (1 + norm.weight.double())
+    torch.testing.assert_close(norm(x).double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_large_inputs_and_a_strided_input_take_the_right_paths(monkeypatch):
+    norm = make(RMSNorm, 64, torch.float32, seed=4)
+    big = torch.randn(norms.FUSED_MAX_NUMEL // 64 + 1, 64)
+    monkeypatch.setattr(norms, "NORM_KERNEL", None)  # any use of the kernel would fail
+    assert torch.equal(norm(big), composed(norm, big))
+    monkeypatch.undo()
+    strided = torch.randn(3, 128)[:, ::2]
+    torch.testing.assert_close(norm(strided), composed(norm, strided), atol=1e-6, rtol=1e-5)
