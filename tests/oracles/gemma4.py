@@ -177,3 +177,56 @@ BUILDERS = {
     "gemma4_vl_untied": multimodal(False, "gemma4_vl_untied"),
 }
 REPRESENTATIVE = ["gemma4_text"]
+
+
+def allow_all_shared_layers() -> None:
+    """Let transformers build and load an assistant: its config property `kv_sharing_modes` insists
+    on a producer per layer type, which an assistant (every layer shared) never has."""
+    from transformers import Gemma4TextConfig
+
+    modes = Gemma4TextConfig.kv_sharing_modes
+    if getattr(modes, "allows_all_shared", False):
+        return
+
+    def kv_sharing_modes(self):
+        if self.num_kv_shared_layers == self.num_hidden_layers:
+            return ["reuse"] * self.num_hidden_layers
+        return modes.fget(self)
+
+    kv_sharing_modes.allows_all_shared = True
+    Gemma4TextConfig.kv_sharing_modes = property(kv_sharing_modes)
+
+
+def assistant_pair(out, ordered: bool) -> tuple[Checkpoint, Checkpoint]:
+    """A target whose KV-shared layers leave a producer of each type (window 8, so a 40-token prompt
+    wraps it) and its assistant: 3 layers of another width over the target's KV; `ordered`: the
+    ordered-embedding head (8 clusters, top 2) and an untied head, else a tied plain head."""
+    from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM, Gemma4ForCausalLM
+
+    allow_all_shared_layers()
+    torch.manual_seed(0)
+    target_cfg = text_config(False, [S, F] * 3, num_kv_shared_layers=2, sliding_window=8)
+    target = save(Gemma4ForCausalLM(target_cfg), out / "target", "gemma4_target")
+    text = text_config(
+        True,
+        [S, S, F],
+        hidden_size=48,
+        intermediate_size=96,
+        sliding_window=8,
+        hidden_size_per_layer_input=0,
+        vocab_size_per_layer_input=0,
+        num_kv_shared_layers=3,
+    )
+    cfg = Gemma4AssistantConfig(
+        text_config=text.to_dict(),
+        backbone_hidden_size=target_cfg.hidden_size,
+        use_ordered_embeddings=ordered,
+        num_centroids=8,
+        centroid_intermediate_top_k=2,
+        tie_word_embeddings=not ordered,
+    )
+    model = Gemma4AssistantForCausalLM(cfg)
+    if ordered:
+        g = torch.Generator().manual_seed(4)
+        model.masked_embedding.token_ordering.copy_(torch.randperm(VOCAB, generator=g))
+    return target, save(model, out / "assistant", "gemma4_assistant")

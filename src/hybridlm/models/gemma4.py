@@ -345,8 +345,9 @@ def with_defaults(text: dict) -> Config:
     return Config(text)
 
 
-def remap_text(name: str, config: Config) -> str | None:
-    """Checkpoint name -> parameter name for a Gemma 4 text model (None: ignored)."""
+def remap_text(name: str, shared_layers: set[int]) -> str | None:
+    """Checkpoint name -> parameter name for a Gemma 4 text model whose layers `shared_layers` share
+    keys/values (None: ignored)."""
     for old, new in RENAMES.items():
         if name.startswith(old):
             if new is None:
@@ -354,10 +355,9 @@ def remap_text(name: str, config: Config) -> str | None:
             name = new + name[len(old) :]
             break
     parts = name.split(".")
-    if parts[:2] == ["model", "layers"] and len(parts) > 4 and parts[3] == "self_attn":
-        kinds = layer_types(config)
-        if kv_sharing(config, kinds)[int(parts[2])] == REUSE and parts[4] in UNUSED_BY_SHARED_LAYERS:
-            return None
+    is_attn = parts[:2] == ["model", "layers"] and len(parts) > 4 and parts[3] == "self_attn"
+    if is_attn and int(parts[2]) in shared_layers and parts[4] in UNUSED_BY_SHARED_LAYERS:
+        return None
     return name
 
 
@@ -404,7 +404,8 @@ class Gemma4(CausalLM):
 
     @classmethod
     def remap(cls, name: str, config: Config) -> str | None:
-        return remap_text(name, config)
+        roles = kv_sharing(config, layer_types(config))
+        return remap_text(name, {i for i, role in enumerate(roles) if role == REUSE})
 
     def embed_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [...] -> [..., d] embeddings times sqrt(d), the scale rounded to the activation dtype
