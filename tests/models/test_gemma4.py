@@ -57,6 +57,7 @@ def tiny(**kw) -> dict:
         (dict(per_layer_config={"0": {"intermediate_size": 8}}), "intermediate_size"),
         (dict(rope_parameters={S: {"rope_type": "yarn", "rope_theta": 1e4}, F: {"rope_theta": 1e6}}), "yarn"),
         (dict(layer_types=[S, F, F, F], num_kv_shared_layers=3), "num_kv_shared_layers"),
+        (dict(layer_types=[S, "chunked_attention", S, F]), "chunked_attention"),
     ],
 )
 def test_unsupported_configurations_raise_naming_the_field(fields, named):

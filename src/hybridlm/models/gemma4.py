@@ -88,6 +88,9 @@ def layer_types(c: Config) -> list[str]:
         kinds = list(c.layer_types)
     else:
         kinds = [SLIDING if (i + 1) % 6 else FULL for i in range(c.num_hidden_layers)]
+    unknown = set(kinds) - {SLIDING, FULL}
+    if unknown:
+        raise ValueError(f"Gemma 4 layer_types {sorted(unknown)} are not supported")
     kinds[-1] = FULL
     return kinds
 
@@ -361,11 +364,6 @@ def remap_text(name: str, shared_layers: set[int]) -> str | None:
     return name
 
 
-def check_supported(c: Config) -> None:
-    if c.use_bidirectional_attention == "all":
-        raise ValueError("Gemma 4 with use_bidirectional_attention='all' (an encoder) is not causal")
-
-
 @register("gemma4_text", "gemma4")
 class Gemma4(CausalLM):
     """Layers' forward takes `(h, batch, cache, per_layer_input, shared)`: `shared` carries each
@@ -374,7 +372,8 @@ class Gemma4(CausalLM):
     def __init__(self, config: Config):
         super().__init__()
         self.config = c = config
-        check_supported(c)
+        if c.use_bidirectional_attention == "all":
+            raise ValueError("Gemma 4 with use_bidirectional_attention='all' (an encoder) is not causal")
         kinds = layer_types(c)
         sharing = kv_sharing(c, kinds)
         self.first_shared = len(kinds) - c.num_kv_shared_layers
