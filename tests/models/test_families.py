@@ -91,15 +91,16 @@ def test_restore_inside_any_snapshot_equals_recompute(checkpoints, name):
     ids = ids_for(150, seed=4)
     cuts = sorted(rng.sample(range(5, 100), 4)) + [100]
     caches = model.make_caches(1)
-    for c in caches:
+    stateful = [c for c in caches if c is not None]  # Gemma 4's KV-shared layers hold no state
+    for c in stateful:
         c.prepare_snapshots(cuts, ranges=True)
     run_chunks(model, ids[:100], 23, caches)
-    snaps = [c.take_snapshots() for c in caches]
+    snaps = [c.take_snapshots() for c in stateful]
     assert all(len(s) == len(cuts) for s in snaps)
     run_chunks(model, ids[100:], 50, caches)
     for target in [cuts[0], rng.randrange(cuts[1] + 1, cuts[2]), cuts[3] - 1, 100]:
         seg = next(i for i, c in enumerate(cuts) if target <= c)
-        for cache, layer_snaps in zip(caches, snaps, strict=True):
+        for cache, layer_snaps in zip(stateful, snaps, strict=True):
             for i in range(seg):
                 assert cache.restore(layer_snaps[i], layer_snaps[i].end)
             assert cache.restore(layer_snaps[seg], target), type(cache).__name__

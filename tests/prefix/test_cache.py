@@ -15,7 +15,7 @@ from hybridlm.batch import Batch
 from hybridlm.models import load_model
 from hybridlm.prefix.cache import CapturePlan, PrefixCache, common_prefix
 
-KINDS = ["qwen3_5_text", "lfm2", "gemma3_text", "dense_llama"]
+KINDS = ["qwen3_5_text", "lfm2", "gemma3_text", "gemma4_text", "dense_llama"]
 
 
 class Oracle:

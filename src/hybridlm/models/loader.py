@@ -67,7 +67,13 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None, device=None) 
     if not root.is_dir():
         raise CheckpointError(f"{root}: not a checkpoint directory")
     raw = read_json(root / "config.json")
-    cls = family_for(raw, root)
+    return load_weights(family_for(raw, root), root, raw, dtype, device)
+
+
+def load_weights(cls, root: Path, raw: dict, dtype: torch.dtype | None = None, device=None):
+    """Build `cls` (a `CausalLM`, or a module with the same loading hooks: `text_config`, `remap`,
+    `convert`, `tied`, `model.embed_tokens`, `lm_head`) from config.json's contents `raw` and load
+    the checkpoint's tensors into it, all or nothing. Integer tensors keep their dtype."""
     config = cls.text_config(raw)
     dtype = dtype or torch.bfloat16
     device = torch.device(device) if device is not None else default_device()
@@ -113,7 +119,8 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None, device=None) 
             raise CheckpointError(
                 f"{where}: tensor {name!r} has shape {tuple(state[name].shape)}, expected {tuple(shape)}"
             )
-    state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
+    # index tables (the Gemma 4 assistant's token ordering) must not become floats
+    state = {k: v.to(device=device, dtype=dtype if v.is_floating_point() else None) for k, v in state.items()}
     model.load_state_dict(state, strict=False, assign=True)
     if model.tied:
         model.lm_head.weight = model.model.embed_tokens.weight
