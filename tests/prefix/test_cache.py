@@ -220,3 +220,27 @@ def test_abandoned_session_resets_the_live_caches_and_keeps_the_trie(checkpoints
     assert again.cached == len(first)
     expected = full_logits_last(model, first + again.prompt[len(first) :])
     assert (logits - expected).abs().max().item() <= 2e-5 * expected.abs().max().item()
+
+
+def test_live_state_outliving_its_evicted_nodes_never_attaches_across_a_gap(checkpoints):
+    """The budget may evict the live path's nodes while the live caches keep their state; a
+    session continuing from that state must not hang its pieces below a shorter stored prefix
+    (they would claim tokens at the wrong positions)."""
+    model = load_model(checkpoints("qwen3_5_text").path, dtype=torch.float32, device="cpu")
+    pc = PrefixCache(model, plan=CapturePlan(cadence=8, tail=(1, 3)))
+    rng = random.Random(12)
+    first = tokens(rng, 20)
+    serve(pc, model, first, generate=2)
+    pc.ram_budget = 0
+    pc.enforce_budget()
+    assert pc.node_count == 0 and len(pc.live) == 21
+    pc.ram_budget = None
+    longer = pc.live + tokens(rng, 12)
+    session, logits = serve(pc, model, longer, generate=1)
+    assert session.cached == 21  # the live caches alone
+    for node in pc.trie.nodes():
+        assert node.start == node.parent.end
+        assert all((s.start, s.end) == (node.start, node.end) for s in node.snaps if s is not None)
+    again, logits = serve(pc, model, longer[:25] + tokens(rng, 4), generate=1)
+    expected = full_logits_last(model, again.prompt)
+    assert (logits - expected).abs().max().item() <= 2e-5 * expected.abs().max().item()

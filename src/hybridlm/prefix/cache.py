@@ -342,6 +342,12 @@ class PrefixCache:
                     left.free()
                     kept.append(right)
                 snaps, lo = kept, stored
+            if lo != parent.end:
+                # Nodes this session's prefix ran through were evicted while the live caches kept
+                # their state: the trie has nothing for [parent.end, lo) to hang these pieces from.
+                for rest in (snaps, *pieces[k + 1 :]):
+                    _free_all(rest)
+                break
             parent = self.trie.attach(parent, fed[lo:hi], snaps)
 
     def live_path(self) -> set[int]:
