@@ -345,7 +345,9 @@ class Engine:
                 session.advance(piece)
         return caches, logits, start
 
-    def _forward(self, running: _Running, caches: list[LayerCache | None], ids: list[int], offset: int):
+    def _forward(
+        self, running: _Running, caches: list[LayerCache | None], ids: list[int], offset: int
+    ) -> torch.Tensor:
         """[1, V] logits after running `ids` at `offset` through the target on the committed path; a
         drafter that reads the target's hidden states is handed them."""
         batch = Batch.single(ids, offset=offset, device=self.model.device)
