@@ -120,10 +120,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--speculative",
-        choices=["ngram", "draft"],
+        choices=["ngram", "draft", "mtp"],
         default=_env("HYBRIDLM_SPECULATIVE"),
         help="speculative decoding (greedy output unchanged, sampled output equally distributed): "
-        "'ngram' drafts by prompt lookup in the request's own tokens, 'draft' with --draft-model; the "
+        "'ngram' drafts by prompt lookup in the request's own tokens, 'draft' with --draft-model, 'mtp' "
+        "with the checkpoint's own multi-token-prediction head (Qwen3.5, Qwen3-Next: mtp.* tensors); the "
         "draft length adapts and falls back to plain decoding when drafts do not pay (default: off; "
         'requests opt out with "speculative": false) [env HYBRIDLM_SPECULATIVE]',
     )
@@ -177,12 +178,18 @@ def make_speculator(model, args):
     """The `Speculator` behind --speculative (None when off)."""
     if args.speculative is None:
         return None
-    from hybridlm.speculative import DraftModel, NgramDrafter, Speculator
+    from hybridlm.models.loader import CheckpointError
+    from hybridlm.speculative import MTP, DraftModel, NgramDrafter, Speculator
 
     if args.num_draft < 1:
         raise SystemExit(f"hybridlm: --num-draft must be >= 1, got {args.num_draft}")
     if args.speculative == "ngram":
         return Speculator(NgramDrafter, max_depth=args.num_draft)
+    if args.speculative == "mtp":
+        try:
+            return Speculator(MTP.load(model.path, model.lm), max_depth=args.num_draft)
+        except CheckpointError as e:
+            raise SystemExit(f"hybridlm: --speculative mtp: {e}") from None
     if args.draft_model is None:
         raise SystemExit("hybridlm: --speculative draft needs --draft-model DIR")
     draft = DraftModel.load(
@@ -552,9 +559,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="speculative decoding tokens/s vs plain decoding, acceptance per draft position",
         description="Decode the same prompt plainly and speculatively in one run (interleaved repeats, "
         "medians): n-gram drafts on a prompt that already holds the model's own greedy continuation "
-        "(every draft right), random drafts (never accepted: the controller must back off), and a draft "
-        "model when --draft-model is given. Reports decode tok/s, speedup, acceptance rate per draft "
-        "position, tokens committed per verify pass and verify cost by draft length.",
+        "(every draft right), random drafts (never accepted: the controller must back off), a draft "
+        "model when --draft-model is given, and the checkpoint's MTP head with --mtp. Reports decode tok/s, "
+        "speedup, acceptance rate per draft position, tokens committed per verify pass and verify cost by "
+        "draft length.",
     )
     add_model_args(sp)
     sp.add_argument(
@@ -565,6 +573,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sp.add_argument(
         "--draft-quantize", choices=["int8"], default=None, help="quantize the draft model on load"
+    )
+    sp.add_argument(
+        "--mtp", action="store_true", help="also draft with the checkpoint's multi-token-prediction head"
     )
     sp.add_argument("--num-draft", type=int, default=8, help="most draft tokens per verify pass (default 8)")
     sp.add_argument(

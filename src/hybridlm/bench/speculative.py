@@ -13,6 +13,8 @@ medians reported, load average noted because the machine may be shared):
 - random: a drafter proposing random tokens, never accepted: the controller must back off to
   plain decoding (the cost that remains is its probing).
 - draft: a draft model (`--draft-model`, optionally int8), when given: acceptance as it comes.
+- mtp: the checkpoint's own multi-token-prediction head (`--mtp`), when asked: acceptance as it
+  comes (a random head's drafts are almost never right: what remains is its drafting cost).
 
 Reported per scenario: decode tok/s and speedup over plain, acceptance rate per draft position,
 mean tokens committed per verify pass, the verify pass cost by draft length (ms), and whether the
@@ -34,7 +36,7 @@ from pathlib import Path
 import torch
 
 from hybridlm.engine import Engine, SamplingParams
-from hybridlm.speculative import Draft, Drafter, DraftModel, NgramDrafter, Speculator, TargetPolicy
+from hybridlm.speculative import MTP, Draft, Drafter, DraftModel, NgramDrafter, Speculator, TargetPolicy
 
 
 class RandomDrafter(Drafter):
@@ -129,6 +131,8 @@ def main(args) -> int:
             factories["draft"] = DraftModel.load(
                 args.draft_model, dtype=dtype, device=model.device, quantize=args.draft_quantize
             )
+        if args.mtp:
+            factories["mtp"] = MTP.load(path, model)
         for name, factory in factories.items():
             speculator = Speculator(factory, max_depth=args.num_draft)
             engines[name] = Engine(model, None, context_length=1 << 20, speculative=speculator)
@@ -151,6 +155,7 @@ def main(args) -> int:
         "model": str(path),
         "draft_model": args.draft_model,
         "draft_quantize": args.draft_quantize,
+        "mtp": args.mtp,
         "dtype": str(dtype).removeprefix("torch."),
         "device": str(model.device),
         "threads": torch.get_num_threads(),

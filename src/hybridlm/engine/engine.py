@@ -340,10 +340,23 @@ class Engine:
             if running.request.cancelled:
                 return caches, None, start
             piece = ids[pos : pos + self.prefill_chunk]
-            logits = self.model(Batch.single(piece, offset=pos, device=self.model.device), caches)
+            logits = self._forward(running, caches, piece, pos)
             if session is not None:
                 session.advance(piece)
         return caches, logits, start
+
+    def _forward(
+        self, running: _Running, caches: list[LayerCache | None], ids: list[int], offset: int
+    ) -> torch.Tensor:
+        """[1, V] logits after running `ids` at `offset` through the target on the committed path; a
+        drafter that reads the target's hidden states is handed them."""
+        batch = Batch.single(ids, offset=offset, device=self.model.device)
+        spec = running.speculation
+        if spec is None or not spec.reads_hidden:
+            return self.model(batch, caches)
+        logits, hidden = self.model(batch, caches, hidden=True)
+        spec.observe(offset, ids, hidden[0])
+        return logits
 
     def _advance(self, running: _Running) -> Event:
         request = running.request
@@ -362,8 +375,7 @@ class Engine:
                     return event
             t0 = time.perf_counter()
             token = running.output_ids[-1]
-            batch = Batch.single([token], offset=running.position, device=self.model.device)
-            running.logits = self.model(batch, running.caches)
+            running.logits = self._forward(running, running.caches, [token], running.position)
             running.position += 1
             if running.session is not None:
                 running.session.advance([token])

@@ -106,14 +106,25 @@ class CausalLM(nn.Module):
     def head(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(h).float()
 
+    def mtp_head(self) -> nn.Module | None:
+        """The family's multi-token-prediction head, built without weights (they are the checkpoint's
+        `mtp.*` tensors; see `models.mtp`), or None when the family has none."""
+        return None
+
     @torch.no_grad()
-    def forward(self, batch: Batch, caches: list[LayerCache | None], logits: str = "last") -> torch.Tensor:
+    def forward(
+        self, batch: Batch, caches: list[LayerCache | None], logits: str = "last", hidden: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Run the batch through the model, advancing the caches.
 
         logits: "last" -> [B, V] float32 at each row's last real token; "all" -> [B, L, V].
+        hidden: also return the final-normed hidden states [B, L, d] (what an MTP head reads):
+            (logits, hidden).
         """
         h = self.hidden_states(batch, caches)
         if logits == "all":
-            return self.head(h)
-        last = torch.as_tensor(batch.query_lens, device=h.device) - 1
-        return self.head(h[torch.arange(h.shape[0], device=h.device), last.clamp(min=0)])
+            out = self.head(h)
+        else:
+            last = torch.as_tensor(batch.query_lens, device=h.device) - 1
+            out = self.head(h[torch.arange(h.shape[0], device=h.device), last.clamp(min=0)])
+        return (out, h) if hidden else out

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -47,6 +48,54 @@ def weight_files(root: Path) -> list[Path]:
     return files
 
 
+def read_tensors(
+    files: list[Path], rename: Callable[[str], str | None]
+) -> tuple[dict[str, torch.Tensor], dict[str, Path]]:
+    """Every tensor of `files` that `rename` maps to a name (None skips it): (tensors by new name,
+    the file each came from)."""
+    state: dict[str, torch.Tensor] = {}
+    source: dict[str, Path] = {}
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    target = rename(name)
+                    if target is None:
+                        continue
+                    if target in source:
+                        raise CheckpointError(f"{file}: tensor {name!r} duplicates one in {source[target]}")
+                    state[target] = f.get_tensor(name)
+                    source[target] = file
+        except CheckpointError:
+            raise
+        except Exception as e:  # safetensors raises its own error types for corrupt headers/data
+            raise CheckpointError(f"{file}: unreadable safetensors file ({e})") from None
+    return state, source
+
+
+def check_tensors(
+    state: dict[str, torch.Tensor], expected: dict[str, torch.Size], source: dict[str, Path], root: Path
+) -> None:
+    """Raise `CheckpointError` unless `state` holds exactly the `expected` names and shapes."""
+    unexpected = sorted(set(state) - set(expected))
+    if unexpected:
+        name = unexpected[0]
+        raise CheckpointError(
+            f"{source.get(name, root)}: unexpected tensor {name!r} ({len(unexpected)} in all)"
+        )
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        raise CheckpointError(
+            f"{root}: missing tensor {missing[0]!r} ({len(missing)} missing: {missing[:5]})"
+        )
+    for name, shape in expected.items():
+        if tuple(state[name].shape) != tuple(shape):
+            where = source.get(name, root)
+            raise CheckpointError(
+                f"{where}: tensor {name!r} has shape {tuple(state[name].shape)}, expected {tuple(shape)}"
+            )
+
+
 def family_for(config: dict, root: Path) -> type[CausalLM]:
     model_type = config.get("model_type")
     if model_type not in FAMILIES:
@@ -83,42 +132,13 @@ def load_weights(cls, root: Path, raw: dict, dtype: torch.dtype | None = None, d
     if model.tied:
         expected.pop("lm_head.weight", None)
 
-    state: dict[str, torch.Tensor] = {}
-    source: dict[str, Path] = {}
-    for file in weight_files(root):
-        try:
-            with safe_open(str(file), framework="pt", device="cpu") as f:
-                for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                    target = cls.remap(name, config)
-                    if target is None or (model.tied and target == "lm_head.weight"):
-                        continue
-                    if target in source:
-                        raise CheckpointError(f"{file}: tensor {name!r} duplicates one in {source[target]}")
-                    state[target] = f.get_tensor(name)
-                    source[target] = file
-        except CheckpointError:
-            raise
-        except Exception as e:  # safetensors raises its own error types for corrupt headers/data
-            raise CheckpointError(f"{file}: unreadable safetensors file ({e})") from None
+    def rename(name: str) -> str | None:
+        target = cls.remap(name, config)
+        return None if model.tied and target == "lm_head.weight" else target
 
+    state, source = read_tensors(weight_files(root), rename)
     state = cls.convert(state, config)
-    unexpected = sorted(set(state) - set(expected))
-    if unexpected:
-        name = unexpected[0]
-        raise CheckpointError(
-            f"{source.get(name, root)}: unexpected tensor {name!r} ({len(unexpected)} in all)"
-        )
-    missing = sorted(set(expected) - set(state))
-    if missing:
-        raise CheckpointError(
-            f"{root}: missing tensor {missing[0]!r} ({len(missing)} missing: {missing[:5]})"
-        )
-    for name, shape in expected.items():
-        if tuple(state[name].shape) != tuple(shape):
-            where = source.get(name, root)
-            raise CheckpointError(
-                f"{where}: tensor {name!r} has shape {tuple(state[name].shape)}, expected {tuple(shape)}"
-            )
+    check_tensors(state, expected, source, root)
     # index tables (the Gemma 4 assistant's token ordering) must not become floats
     state = {k: v.to(device=device, dtype=dtype if v.is_floating_point() else None) for k, v in state.items()}
     model.load_state_dict(state, strict=False, assign=True)

@@ -1,5 +1,6 @@
 """Qwen3.5 (`qwen3_5_text`, and the vision-language `qwen3_5` layout whose text model we load):
-Gated DeltaNet layers interleaved with gated full attention, dense MLP, zero-centred RMSNorm."""
+Gated DeltaNet layers interleaved with gated full attention, dense MLP, zero-centred RMSNorm; the
+checkpoint's multi-token-prediction head (`mtp.*`) is loaded separately, as a drafter (`models.mtp`)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from torch import nn
 
 from hybridlm.models.base import CausalLM, Config, register
 from hybridlm.models.layers import Attention, DecoderLayer, GatedDeltaNet, GatedMLP
+from hybridlm.models.mtp import MTPHead
 from hybridlm.ops.linear import Linear
 from hybridlm.ops.norms import OffsetRMSNorm
 from hybridlm.ops.rope import Rotary, inv_freq_from_params
@@ -56,7 +58,7 @@ class Qwen3_5(CausalLM):
         c.setdefault("head_dim", c.hidden_size // c.num_attention_heads)
         rope = c.get_rope()
         rope.setdefault("partial_rotary_factor", 0.25)
-        rotary = Rotary(*inv_freq_from_params(c.head_dim, rope))
+        self.rotary = rotary = Rotary(*inv_freq_from_params(c.head_dim, rope))
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
         self.model.layers = nn.ModuleList()
@@ -75,6 +77,15 @@ class Qwen3_5(CausalLM):
     def mlp(self, c: Config, index: int) -> nn.Module:
         """The feed-forward block of layer `index`."""
         return GatedMLP(c.hidden_size, c.intermediate_size, c.get("hidden_act", "silu"))
+
+    def mtp_head(self) -> MTPHead:
+        """One gated full-attention decoder layer with layer 0's feed-forward block (Qwen3-Next: the
+        MoE where layer 0 has it), as the published heads are built."""
+        c = self.config
+        d, eps = c.hidden_size, c.rms_norm_eps
+        attention = gated_attention(c, self.rotary)
+        layer = DecoderLayer("self_attn", attention, self.mlp(c, 0), OffsetRMSNorm, d, eps)
+        return MTPHead(layer, OffsetRMSNorm, d, eps)
 
     @classmethod
     def remap(cls, name: str, config: Config) -> str | None:

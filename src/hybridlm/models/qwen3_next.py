@@ -116,14 +116,15 @@ class Qwen3Next(Qwen3_5):
         head, r = Hv / Hk value heads per key head; `in_proj_ba` rows likewise [b (r), a (r)].
         Value head j of key head g is value head g·r + j in both layouts.
         Published checkpoints (and transformers' `save_pretrained`) store experts one by one:
-        `mlp.experts.{e}.{gate,up,down}_proj.weight`.
+        `mlp.experts.{e}.{gate,up,down}_proj.weight`, the MTP head's layer (`mtp.layers.0`, with
+        layer 0's feed-forward block) too. Layers absent from `state` are left alone (the MTP head is
+        loaded on its own).
         """
         c = config
         d, hk, hv = c.hidden_size, c.linear_num_key_heads, c.linear_num_value_heads
         dk, dv, r = c.linear_key_head_dim, c.linear_value_head_dim, hv // hk
         for i, kind in enumerate(layer_types(c)):
-            p = f"model.layers.{i}"
-            la = f"{p}.linear_attn"
+            la = f"model.layers.{i}.linear_attn"
             if kind == "linear_attention" and f"{la}.in_proj_qkvz.weight" in state:
                 qkvz = take(state, f"{la}.in_proj_qkvz.weight", (hk * (2 * dk + 2 * r * dv), d))
                 q, k, v, z = qkvz.view(hk, -1, d).split([dk, dk, r * dv, r * dv], dim=1)
@@ -133,13 +134,14 @@ class Qwen3Next(Qwen3_5):
                 b, a = ba.view(hk, 2 * r, d).split([r, r], dim=1)
                 state[f"{la}.in_proj_b.weight"] = b.reshape(hv, d)
                 state[f"{la}.in_proj_a.weight"] = a.reshape(hv, d)
-            fused = f"{p}.mlp.experts.gate_up_proj"
-            if is_sparse(c, i) and fused not in state:
-                e, inter = f"{p}.mlp.experts", c.moe_intermediate_size
+        sparse = [f"model.layers.{i}" for i in range(len(layer_types(c))) if is_sparse(c, i)]
+        for p in sparse + (["mtp.layers.0"] if is_sparse(c, 0) else []):
+            e, inter = f"{p}.mlp.experts", c.moe_intermediate_size
+            if f"{e}.0.gate_proj.weight" in state:
                 n = range(c.num_experts)
                 gate = [take(state, f"{e}.{j}.gate_proj.weight", (inter, d)) for j in n]
                 up = [take(state, f"{e}.{j}.up_proj.weight", (inter, d)) for j in n]
                 down = [take(state, f"{e}.{j}.down_proj.weight", (d, inter)) for j in n]
-                state[fused] = torch.cat([torch.stack(gate), torch.stack(up)], dim=1)
+                state[f"{e}.gate_up_proj"] = torch.cat([torch.stack(gate), torch.stack(up)], dim=1)
                 state[f"{e}.down_proj"] = torch.stack(down)
         return state

@@ -1,10 +1,12 @@
 """Speculative decoding on every layer kind (DESIGN.md §3.4): drafters (prompt lookup, a draft
-model), verification of a draft in one target forward with restore points on every cache,
-greedy / rejection-sampling acceptance, commit of the accepted prefix, and adaptive depth."""
+model, a checkpoint's MTP head), verification of a draft in one target forward with restore points
+on every cache, greedy / rejection-sampling acceptance, commit of the accepted prefix, and adaptive
+depth."""
 
-from hybridlm.speculative.base import Draft, Drafter, TargetPolicy
+from hybridlm.speculative.base import Draft, Drafter, HiddenStateDrafter, TargetPolicy
 from hybridlm.speculative.controller import DepthController
 from hybridlm.speculative.draft import DraftModel, DraftModelDrafter
+from hybridlm.speculative.mtp import MTP, MTPDrafter
 from hybridlm.speculative.ngram import NgramDrafter
 from hybridlm.speculative.speculator import RequestSpeculation, SpeculationCounts, Speculator
 from hybridlm.speculative.verify import VerifyResult, commit_caches, verify_and_commit
@@ -15,6 +17,9 @@ __all__ = [
     "DraftModel",
     "DraftModelDrafter",
     "Drafter",
+    "HiddenStateDrafter",
+    "MTP",
+    "MTPDrafter",
     "NgramDrafter",
     "RequestSpeculation",
     "SpeculationCounts",

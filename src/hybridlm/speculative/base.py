@@ -1,5 +1,6 @@
 """Contracts of speculative decoding: what a drafter proposes (`Draft`), how the target picks tokens
-(`TargetPolicy`), and the `Drafter` interface every drafter implements."""
+(`TargetPolicy`), the `Drafter` interface every drafter implements, and `HiddenStateDrafter` for
+drafters that read the target's hidden states (MTP heads)."""
 
 from __future__ import annotations
 
@@ -75,3 +76,25 @@ class Drafter(ABC):
     @abstractmethod
     def close(self) -> None:
         """Release per-request state (an index, a draft model's caches)."""
+
+
+class HiddenStateDrafter(Drafter):
+    """A drafter that reads the target's hidden states (an MTP head). Whoever runs the target hands it
+    every committed target forward, in order: each prefill chunk, each plain decode step, the
+    committed positions of each verify pass. Positions the target never computed (a prefix-cache
+    hit restores them) have none: the first report may start anywhere."""
+
+    @abstractmethod
+    def observe(self, offset: int, tokens: list[int], hidden: torch.Tensor) -> None:
+        """The target was fed `tokens` at positions offset … offset+L-1 (all committed); hidden: [L, d]
+        its final-normed hidden states there."""
+
+
+def draw(logits: torch.Tensor, policy: TargetPolicy) -> tuple[int, torch.Tensor | None]:
+    """One draft token from a drafter's raw [V] logits: (token, None) greedily when the policy is
+    greedy, else (token, q [V]) drawn from q = the drafter's distribution under the policy's
+    temperature and filters."""
+    if policy.greedy:
+        return int(logits.argmax()), None
+    q = policy.probs(logits)
+    return int(torch.multinomial(q, 1, generator=policy.generator)), q

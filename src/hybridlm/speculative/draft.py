@@ -17,7 +17,7 @@ import torch
 from hybridlm.batch import Batch
 from hybridlm.cache.base import LayerCache, Snapshot
 from hybridlm.models.base import CausalLM
-from hybridlm.speculative.base import Draft, Drafter, TargetPolicy
+from hybridlm.speculative.base import Draft, Drafter, TargetPolicy, draw
 from hybridlm.speculative.verify import commit_caches
 
 QUANTIZATIONS = ("int8",)
@@ -94,7 +94,7 @@ class DraftModelDrafter(Drafter):
         self.fed = list(tokens)
         drafts, rows = [], []
         for i in range(k):
-            token, q = self._pick(logits[0], policy)
+            token, q = draw(logits[0], policy)
             drafts.append(token)
             rows.append(q)
             if i + 1 < k:
@@ -103,14 +103,6 @@ class DraftModelDrafter(Drafter):
                 self.fed.append(token)
         self._captures = [c.take_snapshots() for c in self._stateful]
         return Draft(drafts, None if policy.greedy else torch.stack(rows))
-
-    @staticmethod
-    def _pick(logits: torch.Tensor, policy: TargetPolicy) -> tuple[int, torch.Tensor | None]:
-        """One draft token from [V] logits: (token, q [V] or None when greedy)."""
-        if policy.greedy:
-            return int(logits.argmax()), None
-        q = policy.probs(logits)
-        return int(torch.multinomial(q, 1, generator=policy.generator)), q
 
     def _rollback(self, tokens: list[int]) -> int:
         """Bring the caches to the longest prefix of `tokens[:-1]` they can reach (the last token

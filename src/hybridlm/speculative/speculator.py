@@ -7,8 +7,10 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import torch
+
 from hybridlm.cache.base import LayerCache
-from hybridlm.speculative.base import Draft, Drafter, TargetPolicy
+from hybridlm.speculative.base import Draft, Drafter, HiddenStateDrafter, TargetPolicy
 from hybridlm.speculative.controller import DepthController
 from hybridlm.speculative.verify import Emit, VerifyResult, verify_and_commit
 
@@ -69,7 +71,9 @@ class Speculator:
 
 class RequestSpeculation:
     """One request's speculative decoding. Each decode step the engine asks `propose` for a draft
-    (None: decode plainly this step and report the time with `observe_plain`), then `verify`s it."""
+    (None: decode plainly this step and report the time with `observe_plain`), then `verify`s it.
+    When `reads_hidden`, the engine also hands every other committed target forward (prefill chunks,
+    plain steps) to `observe`; `verify` reports its own."""
 
     def __init__(self, owner: Speculator, prompt_ids: list[int], reproducible: bool = False):
         self.owner = owner
@@ -79,6 +83,16 @@ class RequestSpeculation:
         self.prompt_len = len(prompt_ids)
         self.counts = SpeculationCounts()
         self._draft_seconds = 0.0
+
+    @property
+    def reads_hidden(self) -> bool:
+        """The drafter reads the target's hidden states (see `HiddenStateDrafter`)."""
+        return isinstance(self.drafter, HiddenStateDrafter)
+
+    def observe(self, offset: int, tokens: list[int], hidden: torch.Tensor) -> None:
+        """The target was fed `tokens` at committed positions offset … offset+L-1; hidden: [L, d] its
+        final-normed hidden states there."""
+        self.drafter.observe(offset, tokens, hidden)
 
     def propose(self, output_ids: list[int], limit: int, policy: TargetPolicy) -> Draft | None:
         """A draft continuing prompt + `output_ids` of at most `limit` tokens (the controller picks
@@ -104,7 +118,10 @@ class RequestSpeculation:
         """Verify the draft `propose` just returned after the last emitted token (see
         `verify_and_commit`) and learn from the outcome."""
         t0 = time.perf_counter()
-        result = verify_and_commit(model, caches, self.run[-1], draft, offset, policy, emit)
+        hidden = self.reads_hidden
+        result = verify_and_commit(model, caches, self.run[-1], draft, offset, policy, emit, hidden)
+        if hidden:  # the drafter's work per committed token is part of the round's cost
+            self.observe(offset, result.committed, result.hidden)
         seconds = time.perf_counter() - t0
         if result.stopped and len(result.tokens) == result.accepted:
             judged = result.accepted  # stopped on an accepted draft: the rest was never compared

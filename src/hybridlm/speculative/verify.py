@@ -37,6 +37,8 @@ class VerifyResult:
     offset: the caches' offset after commit (= old offset + len(committed)).
     drafted / accepted: draft tokens verified / accepted (an accepted stop token counts).
     stopped: `emit` asked to stop at the last emitted token.
+    hidden: [len(committed), d] the target's final-normed hidden states at the committed positions
+        (when asked for; None otherwise).
     """
 
     tokens: list[int]
@@ -45,6 +47,7 @@ class VerifyResult:
     drafted: int
     accepted: int
     stopped: bool
+    hidden: torch.Tensor | None = None
 
     @property
     def pending(self) -> int | None:
@@ -60,9 +63,11 @@ def verify_and_commit(
     offset: int,
     policy: TargetPolicy | None = None,
     emit: Emit | None = None,
+    hidden: bool = False,
 ) -> VerifyResult:
     """Verify `draft` after `current` (emitted, not yet in the caches, which hold `offset` tokens)
-    with one forward of `model` (B = 1), accept a prefix, emit tokens, commit.
+    with one forward of `model` (B = 1), accept a prefix, emit tokens, commit. `hidden`: also return
+    the hidden states of the committed positions (for a `HiddenStateDrafter`).
 
     Captures already pending on the caches (e.g. the prefix cache's prompt restore points, taken
     when its session closes) are left pending; no capture may be scheduled on entry.
@@ -70,7 +75,7 @@ def verify_and_commit(
     policy = policy or TargetPolicy()
     ids = [current, *draft.tokens]
     stateful = [c for c in caches if c is not None]
-    logits, captures = forward_with_restore_points(model, caches, ids, offset)
+    logits, states, captures = forward_with_restore_points(model, caches, ids, offset, hidden)
     try:
         tokens, accepted, keep, stopped = _accept(logits, draft, policy, emit)
         commit_caches(stateful, captures, offset + keep)
@@ -78,16 +83,18 @@ def verify_and_commit(
         for snaps in captures:
             for snap in snaps:
                 snap.free()
-    return VerifyResult(tokens, ids[:keep], offset + keep, len(draft), accepted, stopped)
+    kept = states[:keep] if states is not None else None
+    return VerifyResult(tokens, ids[:keep], offset + keep, len(draft), accepted, stopped, kept)
 
 
 def forward_with_restore_points(
-    model, caches: Sequence[LayerCache | None], ids: list[int], offset: int
-) -> tuple[torch.Tensor, list[list[Snapshot]]]:
+    model, caches: Sequence[LayerCache | None], ids: list[int], offset: int, hidden: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None, list[list[Snapshot]]]:
     """Run `ids` at `offset` in one forward with a restore point after each token but the last.
 
-    Returns (logits [len(ids), V] float32, per stateful cache the captures ending at offset+1 …
-    offset+len(ids)-1, oldest first). The caller owns (and frees) the captures.
+    Returns (logits [len(ids), V] float32, the final-normed hidden states [len(ids), d] when
+    `hidden` (else None), per stateful cache the captures ending at offset+1 … offset+len(ids)-1,
+    oldest first). The caller owns (and frees) the captures.
     """
     stateful = [c for c in caches if c is not None]
     # Captures somebody else scheduled earlier are set aside so that `take_snapshots` below returns
@@ -99,7 +106,11 @@ def forward_with_restore_points(
         for c in stateful:
             c.prepare_snapshots(points)
         batch = Batch.single(ids, offset=offset, device=model.device)
-        logits = model(batch, list(caches), logits="all")[0]
+        if hidden:
+            logits, states = model(batch, list(caches), logits="all", hidden=True)
+            logits, states = logits[0], states[0]
+        else:
+            logits, states = model(batch, list(caches), logits="all")[0], None
         captures = [c.take_snapshots() for c in stateful]
     except BaseException:
         for c in stateful:  # partial captures of a failed forward
@@ -109,7 +120,7 @@ def forward_with_restore_points(
     finally:
         for c, snaps in zip(stateful, held, strict=True):
             c._captures[:0] = snaps
-    return logits, captures
+    return logits, states, captures
 
 
 def commit_caches(
