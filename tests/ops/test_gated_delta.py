@@ -283,8 +283,8 @@ def gdn_scan(inputs, heads, *, fused, **kw):
     if not fused:
         return _composed_scan(*args)
     names = ("query_lens", "splits", "inplace")
-    return gated_delta_net_scan(*args[:5], k_heads=Hk, k_dim=Dk, v_heads=Hv, v_dim=Dv,
-                                **dict(zip(names, args[9:], strict=True)))
+    options = dict(zip(names, args[9:], strict=True), fused_max_len=kw.get("fused_max_len"))
+    return gated_delta_net_scan(*args[:5], k_heads=Hk, k_dim=Dk, v_heads=Hv, v_dim=Dv, **options)
 
 
 def gdn_reference(inputs, heads):
@@ -305,7 +305,7 @@ GDN_HEADS = [(2, 4, 16, 8), (3, 3, 8, 24)]
 
 @needs_fused
 @pytest.mark.parametrize("heads", GDN_HEADS)
-@pytest.mark.parametrize("L", [1, 3, 17, FUSED_MAX_LEN])
+@pytest.mark.parametrize("L", [1, 3, 17, 70, 150])
 def test_fused_scan_matches_float64_reference_and_composed_ops(heads, L):
     inputs = gdn_inputs(2, L, *heads, torch.float32, seed=L)
     o, state, _ = gdn_scan(inputs, heads, fused=True)
@@ -350,13 +350,16 @@ def test_fused_scan_boundaries_ragged_rows_and_inplace_state():
     assert final is live and torch.equal(live, state)
 
 
-@pytest.mark.parametrize(("L", "get"), [(FUSED_MAX_LEN + 1, "refuse"), (3, "unavailable")])
-def test_longer_inputs_and_a_missing_kernel_use_the_composed_ops(monkeypatch, L, get):
+@pytest.mark.parametrize(
+    ("L", "limit", "get"),
+    [(0, None, "refuse"), (FUSED_MAX_LEN + 1, FUSED_MAX_LEN, "refuse"), (3, None, "unavailable")],
+)
+def test_empty_or_too_long_inputs_and_a_missing_kernel_use_the_composed_ops(monkeypatch, L, limit, get):
     heads = GDN_HEADS[0]
     inputs = gdn_inputs(1, L, *heads, torch.float32, seed=5)
     kernel = types.SimpleNamespace(get=_no_kernel if get == "refuse" else lambda: None)
     monkeypatch.setattr(gated_delta_mod, "GDN_KERNEL", kernel)
-    o, state, _ = gdn_scan(inputs, heads, fused=True)
+    o, state, _ = gdn_scan(inputs, heads, fused=True, fused_max_len=limit)
     co, cstate, _ = gdn_scan(inputs, heads, fused=False)
     assert torch.equal(o, co) and torch.equal(state, cstate)
 

@@ -11,7 +11,15 @@ from torch import nn
 
 from hybridlm.ops import linear as linear_mod
 from hybridlm.ops import native
-from hybridlm.ops.linear import MAX_FAST_ROWS, Int8Linear, Linear, fast_path_available, linear, quantize_int8_
+from hybridlm.ops.linear import (
+    MAX_FAST_ROWS,
+    Int8Linear,
+    Linear,
+    fast_path_available,
+    kernel_rows,
+    linear,
+    quantize_int8_,
+)
 from hybridlm.ops.native import NativeKernel
 
 needs_kernel = pytest.mark.skipif(not fast_path_available(), reason="bf16 matvec kernel could not be built")
@@ -68,6 +76,8 @@ def test_matches_f_linear(dtype, rows, bias, shape):
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_kernel_path(rows, bias, shape, no_f_linear):
+    if rows > kernel_rows():
+        pytest.skip(f"this CPU's kernel takes {kernel_rows()} rows")
     layer = _layer(*shape, bias, torch.bfloat16)
     x = torch.randn(rows, shape[1]).to(torch.bfloat16)
     _assert_rounded(layer(x), x, layer.weight, layer.bias)
@@ -84,9 +94,19 @@ def test_kernel_3d_and_strided_input(lead, no_f_linear):
     _assert_rounded(y, x, layer.weight, layer.bias)
 
 
+@needs_kernel
+def test_a_row_gives_the_same_bits_whatever_rows_share_the_call(no_f_linear):
+    """Batch invariance: a verify pass must compute each position as a one-row decode does."""
+    layer = _layer(77, 1000, True, torch.bfloat16)
+    x = torch.randn(kernel_rows(), 1000).to(torch.bfloat16)
+    together = layer(x)
+    for i in range(x.shape[0]):
+        assert torch.equal(layer(x[i : i + 1]), together[i : i + 1])
+
+
 def test_large_rows_3d_uses_f_linear():
     layer = _layer(24, 64, True, torch.bfloat16)
-    x = torch.randn(2, 5, 64).to(torch.bfloat16)  # 10 rows > MAX_FAST_ROWS
+    x = torch.randn(2, 9, 64).to(torch.bfloat16)  # 18 rows > MAX_FAST_ROWS
     assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
 
 

@@ -13,7 +13,7 @@ from hybridlm.batch import Batch
 from hybridlm.cache import KVCache, RecurrentCache, SlidingKVCache
 from hybridlm.ops.attention import attention
 from hybridlm.ops.conv import causal_conv1d
-from hybridlm.ops.gated_delta import gated_delta_net_scan
+from hybridlm.ops.gated_delta import FUSED_MAX_LEN, gated_delta_net_scan
 from hybridlm.ops.linear import Linear
 from hybridlm.ops.norms import GatedRMSNorm
 from hybridlm.ops.rope import Rotary, apply_rotary
@@ -151,12 +151,14 @@ class GatedDeltaNet(nn.Module):
             device,
         )
 
-    def mix(self, qkv, ab, conv_tail, state, query_lens=None, splits=(), inplace=False):
+    def mix(self, qkv, ab, conv_tail, state, query_lens=None, splits=(), inplace=False,
+            fused_max_len=FUSED_MAX_LEN):
         """Conv + gated delta scan over scan inputs.
 
         qkv [B, L, conv_dim], ab [B, L, 2·Hv] -> (o [B, L, Hv, Dv], conv_tail, state, boundary)
         where boundary[i] = (tail, state) after `splits[i]` tokens. `inplace` lets the scan advance
-        `state` in place (the live cache state, handed straight back to the cache).
+        `state` in place (the live cache state, handed straight back to the cache);
+        `fused_max_len` as in `gated_delta_net_scan`.
         """
         b, length, _ = qkv.shape
         conv_w = self.conv1d.weight.squeeze(1)
@@ -166,12 +168,13 @@ class GatedDeltaNet(nn.Module):
         o, state, states = gated_delta_net_scan(
             x, ab, self.A_log, self.dt_bias, state, k_heads=self.k_heads, k_dim=self.k_dim,
             v_heads=self.v_heads, v_dim=self.v_dim, query_lens=query_lens, splits=splits, inplace=inplace,
+            fused_max_len=fused_max_len,
         )
         return o, tail, state, list(zip(tails, states, strict=True))
 
     @torch.no_grad()
     def replay(self, conv_tail, state, qkv, ab):
-        _, tail, state, _ = self.mix(qkv, ab, conv_tail, state)
+        _, tail, state, _ = self.mix(qkv, ab, conv_tail, state, fused_max_len=None)
         return tail, state
 
     def forward(self, x: torch.Tensor, batch: Batch, cache: RecurrentCache) -> torch.Tensor:
