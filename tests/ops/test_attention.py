@@ -1,0 +1,88 @@
+"""attention: the few-query C kernel against a float64 reference (causal, sliding window, cache
+offsets, ragged rows, GQA, soft-capping) and its independence of the rows sharing a call."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridlm.batch import Batch
+from hybridlm.ops import attention as attention_mod
+from hybridlm.ops.attention import KERNEL_MAX_QUERIES, attention
+
+needs_kernel = pytest.mark.skipif(attention_mod.KERNEL.get() is None, reason="attention kernel not built")
+
+
+def reference(q, k, v, batch, key_start, scale, window=None, softcap=None):
+    """Masked softmax attention in float64."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.double().repeat_interleave(rep, 1), v.double().repeat_interleave(rep, 1)
+    s = q.double() @ k.transpose(-1, -2) * scale
+    if softcap:
+        s = torch.tanh(s / softcap) * softcap
+    qpos = batch.positions()[:, None, :, None]
+    kpos = torch.arange(key_start, key_start + k.shape[2])[None, None, None, :]
+    allowed = (kpos <= qpos) & ((kpos > qpos - window) if window else True)
+    return s.masked_fill(~allowed, float("-inf")).softmax(-1) @ v
+
+
+def inputs(B, Hq, Hkv, L, T, D, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Hq, L, D, generator=g).to(dtype)
+    k = torch.randn(B, Hkv, T, D, generator=g).to(dtype)
+    v = torch.randn(B, Hkv, T, D, generator=g).to(dtype)
+    return q, k, v
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("L", "T", "key_start", "window", "softcap"),
+    [(1, 150, 0, None, None), (9, 200, 0, None, 30.0), (5, 40, 100, 16, None), (16, 130, 7, 70, None)],
+)
+def test_kernel_matches_float64(dtype, L, T, key_start, window, softcap):
+    q, k, v = inputs(1, 8, 2, L, T, 64, dtype, seed=L)
+    batch = Batch.single([0] * L, offset=key_start + T - L)
+    got = attention(q, k, v, batch, key_start=key_start, scale=0.125, window=window, softcap=softcap)
+    ref = reference(q, k, v, batch, key_start, 0.125, window, softcap)
+    tol = 1e-5 if dtype is torch.float32 else 2e-2
+    torch.testing.assert_close(got.double(), ref, atol=tol, rtol=tol)
+
+
+@needs_kernel
+def test_kernel_handles_ragged_rows_and_strided_caches():
+    q, k, v = inputs(2, 4, 4, 6, 30, 32, torch.float32, seed=3)
+    big = torch.randn(2, 4, 50, 32)
+    big[:, :, :30] = k  # a cache buffer with spare capacity: k is a strided view of it
+    batch = Batch.ragged([[1] * 6, [2] * 3], offsets=[24, 10])
+    got = attention(q, big[:, :, :30], v, batch, key_start=0, scale=0.2)
+    ref = reference(q, k, v, batch, 0, 0.2)
+    torch.testing.assert_close(got[0].double(), ref[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got[1, :, :3].double(), ref[1, :, :3], atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("window", [None, 20])
+def test_a_query_gets_the_same_bits_alone_as_inside_a_verify_pass(window):
+    """The position after a verify pass's j-th token must be computed exactly as one decode step
+    at that position computes it: bit for bit, in bf16."""
+    L, T = KERNEL_MAX_QUERIES, 90
+    q, k, v = inputs(1, 8, 2, L, T, 64, torch.bfloat16, seed=5)
+    batch = Batch.single([0] * L, offset=T - L)
+    together = attention(q, k, v, batch, key_start=0, scale=0.125, window=window)
+    for j in range(L):
+        pos = T - L + j
+        # decode sees only keys up to its own position; a sliding cache may also start later
+        start = 0 if window is None else 5
+        alone = attention(q[:, :, j : j + 1], k[:, :, start : pos + 1], v[:, :, start : pos + 1],
+                          Batch.single([0], offset=pos), key_start=start, scale=0.125, window=window)
+        assert torch.equal(alone, together[:, :, j : j + 1]), j
+
+
+def test_many_queries_use_sdpa(monkeypatch):
+    monkeypatch.setattr(attention_mod, "KERNEL", None)  # any use of the kernel would fail
+    L = KERNEL_MAX_QUERIES + 1
+    q, k, v = inputs(1, 4, 2, L, L, 32, torch.float32)
+    got = attention(q, k, v, Batch.single([0] * L), key_start=0, scale=0.2)
+    ref = reference(q, k, v, Batch.single([0] * L), 0, 0.2)
+    torch.testing.assert_close(got.double(), ref, atol=1e-5, rtol=1e-5)
