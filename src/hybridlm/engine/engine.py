@@ -354,7 +354,7 @@ class Engine:
         spec = running.speculation
         if spec is None or not spec.reads_hidden:
             return self.model(batch, caches)
-        logits, hidden = self.model(batch, caches, hidden=True)
+        logits, hidden = self.model(batch, caches, hidden="all")
         spec.observe(offset, ids, hidden[0])
         return logits
 
