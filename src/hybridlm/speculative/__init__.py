@@ -3,7 +3,7 @@ model, a checkpoint's MTP head), verification of a draft in one target forward w
 on every cache, greedy / rejection-sampling acceptance, commit of the accepted prefix, and adaptive
 depth."""
 
-from hybridlm.speculative.base import Draft, Drafter, HiddenStateDrafter, TargetPolicy
+from hybridlm.speculative.base import Draft, Drafter, HiddenStateDrafter, TargetCacheDrafter, TargetPolicy
 from hybridlm.speculative.controller import DepthController
 from hybridlm.speculative.draft import DraftModel, DraftModelDrafter
 from hybridlm.speculative.mtp import MTP, MTPDrafter
@@ -24,6 +24,7 @@ __all__ = [
     "RequestSpeculation",
     "SpeculationCounts",
     "Speculator",
+    "TargetCacheDrafter",
     "TargetPolicy",
     "VerifyResult",
     "commit_caches",
