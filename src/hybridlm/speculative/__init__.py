@@ -1,8 +1,9 @@
 """Speculative decoding on every layer kind (DESIGN.md §3.4): drafters (prompt lookup, a draft
-model, a checkpoint's MTP head), verification of a draft in one target forward with restore points
-on every cache, greedy / rejection-sampling acceptance, commit of the accepted prefix, and adaptive
-depth."""
+model, a checkpoint's MTP head, the Gemma 4 assistant), verification of a draft in one target
+forward with restore points on every cache, greedy / rejection-sampling acceptance, commit of the
+accepted prefix, and adaptive depth."""
 
+from hybridlm.speculative.assistant import Assistant, AssistantDrafter
 from hybridlm.speculative.base import Draft, Drafter, HiddenStateDrafter, TargetCacheDrafter, TargetPolicy
 from hybridlm.speculative.controller import DepthController
 from hybridlm.speculative.draft import DraftModel, DraftModelDrafter
@@ -12,6 +13,8 @@ from hybridlm.speculative.speculator import RequestSpeculation, SpeculationCount
 from hybridlm.speculative.verify import VerifyResult, commit_caches, verify_and_commit
 
 __all__ = [
+    "Assistant",
+    "AssistantDrafter",
     "DepthController",
     "Draft",
     "DraftModel",
