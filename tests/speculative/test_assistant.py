@@ -5,18 +5,22 @@ decoding equals plain greedy decoding (several prompt lengths, across the slidin
 with and without prefix-cache hits, stop strings / stop ids / EOS / max_tokens inside drafts) and
 transformers' `generate(assistant_model=...)`; afterwards the target's caches equal a plain run's;
 sampled drafts carry the assistant's distributions and speculative sampling keeps the target's;
-the server reports its rounds."""
+the server reports its rounds; the CLI refuses an assistant for a target it cannot draft for,
+naming why."""
 
 from __future__ import annotations
 
 import random
+import re
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from fastapi.testclient import TestClient
 
+import hybridlm
 from hybridlm.batch import Batch
 from hybridlm.demo import write_demo_model
 from hybridlm.engine import Engine, SamplingParams
@@ -343,3 +347,24 @@ def test_server_reports_the_assistants_speculation(pairs):
     lines = dict(line.rsplit(" ", 1) for line in metrics.splitlines() if not line.startswith("#"))
     assert int(lines["hybridlm_speculative_verify_passes_total"]) == spec["verify_passes"]
     assert int(lines["hybridlm_speculative_accepted_tokens_total"]) == spec["accepted_tokens"]
+
+
+def test_cli_serves_with_an_assistant_and_refuses_one_that_does_not_fit(pairs, checkpoints, tmp_path):
+    from hybridlm.cli import build_parser, make_speculator
+
+    p = pairs()
+    path = str(p.path)
+    flags = ["serve", "--speculative", "draft", "--draft-model", path]
+    args = build_parser().parse_args(flags)
+    served = SimpleNamespace(lm=p.target, path=tmp_path)
+    assert isinstance(make_speculator(served, args).make_drafter(), AssistantDrafter)
+    int8 = build_parser().parse_args([*flags, "--draft-quantize", "int8"])
+    assert make_speculator(served, int8).make_drafter().model.lm_head.weight_int8.dtype == torch.int8
+
+    demo = hybridlm.load_model(write_demo_model(tmp_path / "demo"), dtype=torch.float32)
+    with pytest.raises(SystemExit, match=re.escape(f"--draft-model {path}: a Gemma 4 assistant drafts only")):
+        make_speculator(demo, args)
+    unshared = load_model(checkpoints("gemma4_text_tied").path, dtype=torch.float32, device="cpu")
+    unshared = SimpleNamespace(lm=unshared, path=tmp_path)
+    with pytest.raises(SystemExit, match="num_kv_shared_layers = 0"):
+        make_speculator(unshared, args)

@@ -6,7 +6,7 @@ accepted prefix, and adaptive depth."""
 from hybridlm.speculative.assistant import Assistant, AssistantDrafter
 from hybridlm.speculative.base import Draft, Drafter, HiddenStateDrafter, TargetCacheDrafter, TargetPolicy
 from hybridlm.speculative.controller import DepthController
-from hybridlm.speculative.draft import DraftModel, DraftModelDrafter
+from hybridlm.speculative.draft import DraftModel, DraftModelDrafter, load_draft
 from hybridlm.speculative.mtp import MTP, MTPDrafter
 from hybridlm.speculative.ngram import NgramDrafter
 from hybridlm.speculative.speculator import RequestSpeculation, SpeculationCounts, Speculator
@@ -31,5 +31,6 @@ __all__ = [
     "TargetPolicy",
     "VerifyResult",
     "commit_caches",
+    "load_draft",
     "verify_and_commit",
 ]
