@@ -29,7 +29,14 @@ from hybridlm.models.gemma4 import Gemma4
 from hybridlm.models.tokenizer import Tokenizer
 from hybridlm.prefix.cache import PrefixCache
 from hybridlm.server.app import create_app
-from hybridlm.speculative import Assistant, AssistantDrafter, Speculator, TargetPolicy, verify_and_commit
+from hybridlm.speculative import (
+    Assistant,
+    AssistantDrafter,
+    DepthController,
+    Speculator,
+    TargetPolicy,
+    verify_and_commit,
+)
 from tests.models.test_families import assert_close_to_scale
 from tests.oracles.common import VOCAB
 from tests.oracles.gemma4 import allow_all_shared_layers, assistant_pair
@@ -71,6 +78,18 @@ def pairs(tmp_path_factory):
         return made[ordered, vocab]
 
     return get
+
+
+class AlwaysDraft(DepthController):
+    """Drafts `max_depth` tokens every round it may: these tests must see drafts whatever the
+    timings (the adaptive controller backs off where drafting does not pay on a busy machine)."""
+
+    def depth(self, state, limit: int) -> int:
+        return min(self.max_depth, limit)
+
+
+def speculator(make_drafter, depth: int = 6) -> Speculator:
+    return Speculator(make_drafter, controller=AlwaysDraft(max_depth=depth))
 
 
 class StepRecorder:
@@ -208,7 +227,7 @@ def test_engine_output_equals_transformers_assisted_generation(pairs, ordered):
             assisted = hf_target.generate(ids, assistant_model=hf_assistant, **kw)[0, length:].tolist()
             plain = hf_target.generate(ids, **kw)[0, length:].tolist()
         assert assisted == plain
-        with Engine(model, None, speculative=Speculator(assistant, max_depth=4)) as engine:
+        with Engine(model, None, speculative=speculator(assistant, 4)) as engine:
             got = engine.generate(prompt, greedy)
         assert got.token_ids == assisted
         assert got.usage.speculative.verify_passes > 0
@@ -244,7 +263,7 @@ def test_engine_with_prefix_cache_hits_matches_plain_decoding(pairs):
         drafters.append(RecordingAssistantDrafter(assistant, ids, truth, wrong=0.3, seed=len(drafters)))
         return drafters[-1]
 
-    with Engine(model, None, prefix=PrefixCache(model), speculative=Speculator(make, max_depth=6)) as engine:
+    with Engine(model, None, prefix=PrefixCache(model), speculative=speculator(make)) as engine:
         results = [engine.generate(ids, greedy) for ids in prompts]
     for got, truth, drafter in zip(results, truths, drafters, strict=True):
         assert got.token_ids == truth
@@ -252,7 +271,7 @@ def test_engine_with_prefix_cache_hits_matches_plain_decoding(pairs):
         assert_drafts_are_transformers(hf, drafter.proposals[:3])
     assert results[1].usage.cached_tokens >= len(prompt) + len(first) - 1
     assert results[2].usage.cached_tokens >= 30 > WINDOW
-    untouched = generate(model, None, prompts[1], greedy, speculative=Speculator(assistant))
+    untouched = generate(model, None, prompts[1], greedy, speculative=speculator(assistant))
     assert untouched.token_ids == truths[1] and untouched.usage.speculative.verify_passes > 0
 
 
@@ -277,7 +296,7 @@ def test_stop_rules_inside_drafts_match_plain_decoding(pairs, tmp_path):
     ]
     for params in stops:
         results = []
-        for speculative in (None, Speculator(make, max_depth=6)):
+        for speculative in (None, speculator(make)):
             with Engine(model, tok, speculative=speculative) as engine:
                 engine.eos_token_ids = frozenset({eos})
                 results.append(engine.generate(ids, params))
@@ -337,7 +356,7 @@ def test_server_reports_the_assistants_speculation(pairs):
     prompt = ids_for(20, seed=13)
     truth = generate(p.target, None, prompt, SamplingParams(temperature=0.0, max_tokens=24)).token_ids
     make = lambda: RecordingAssistantDrafter(p.assistant, prompt, truth)  # noqa: E731
-    with Engine(p.target, None, speculative=Speculator(make, max_depth=4)) as engine:
+    with Engine(p.target, None, speculative=speculator(make, 4)) as engine:
         client = TestClient(create_app(engine, "gemma4"))
         body = {"model": "gemma4", "prompt": prompt, "max_tokens": 24, "temperature": 0}
         response = client.post("/v1/completions", json=body).json()
