@@ -123,7 +123,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         choices=["ngram", "draft", "mtp"],
         default=_env("HYBRIDLM_SPECULATIVE"),
         help="speculative decoding (greedy output unchanged, sampled output equally distributed): "
-        "'ngram' drafts by prompt lookup in the request's own tokens, 'draft' with --draft-model, 'mtp' "
+        "'ngram' drafts by prompt lookup in the request's own tokens, 'draft' with --draft-model (a "
+        "Gemma 4 assistant checkpoint drafts from its Gemma 4 model's own keys/values), 'mtp' "
         "with the checkpoint's own multi-token-prediction head (Qwen3.5, Qwen3-Next: mtp.* tensors); the "
         "draft length adapts and falls back to plain decoding when drafts do not pay (default: off; "
         'requests opt out with "speculative": false) [env HYBRIDLM_SPECULATIVE]',
@@ -131,7 +132,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--draft-model",
         default=_env("HYBRIDLM_DRAFT_MODEL"),
-        help="checkpoint directory of a smaller model with the same tokenizer, for --speculative draft "
+        help="checkpoint directory of a smaller model with the same tokenizer, or of a Gemma 4 assistant "
+        "(model_type gemma4_assistant, for a Gemma 4 model), for --speculative draft "
         "[env HYBRIDLM_DRAFT_MODEL]",
     )
     p.add_argument(
@@ -179,7 +181,7 @@ def make_speculator(model, args):
     if args.speculative is None:
         return None
     from hybridlm.models.loader import CheckpointError
-    from hybridlm.speculative import MTP, DraftModel, NgramDrafter, Speculator
+    from hybridlm.speculative import MTP, NgramDrafter, Speculator, load_draft
 
     if args.num_draft < 1:
         raise SystemExit(f"hybridlm: --num-draft must be >= 1, got {args.num_draft}")
@@ -192,9 +194,11 @@ def make_speculator(model, args):
             raise SystemExit(f"hybridlm: --speculative mtp: {e}") from None
     if args.draft_model is None:
         raise SystemExit("hybridlm: --speculative draft needs --draft-model DIR")
-    draft = DraftModel.load(
-        args.draft_model, dtype=DTYPES.get(args.dtype), device=model.device, quantize=args.draft_quantize
-    )
+    try:
+        dtype = DTYPES.get(args.dtype)
+        draft = load_draft(args.draft_model, model.lm, dtype=dtype, quantize=args.draft_quantize)
+    except ValueError as e:  # an unloadable checkpoint, or an assistant that does not fit this model
+        raise SystemExit(f"hybridlm: --draft-model {args.draft_model}: {e}") from None
     mine, theirs = Path(model.path) / "tokenizer.json", Path(args.draft_model) / "tokenizer.json"
     if theirs.exists() and mine.exists() and theirs.read_bytes() != mine.read_bytes():
         log.warning(
@@ -569,7 +573,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--preset", choices=["qwen3.5-0.8b"], default=None, help="random checkpoint of this shape"
     )
     sp.add_argument(
-        "--draft-model", default=None, help="checkpoint directory of a draft model (same tokenizer)"
+        "--draft-model",
+        default=None,
+        help="checkpoint directory of a draft model (same tokenizer) or of a Gemma 4 assistant",
     )
     sp.add_argument(
         "--draft-quantize", choices=["int8"], default=None, help="quantize the draft model on load"

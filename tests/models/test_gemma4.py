@@ -1,5 +1,6 @@
 """Gemma 4 specifics beyond the family-wide tests: KV-shared layers computed on the last tokens
-only, and configurations it refuses by name rather than computing something else."""
+only (also when the last hidden states are asked for), and configurations it refuses by name
+rather than computing something else."""
 
 from __future__ import annotations
 
@@ -30,6 +31,23 @@ def test_last_token_logits_of_a_ragged_prefill_equal_the_full_run(checkpoints):
     got = model(Batch.ragged(rows), model.make_caches(3))
     for b, row in enumerate(rows):
         assert_close_to_scale(got[b], full_logits(model, row)[-1], 2e-5)
+
+
+@pytest.mark.parametrize("logits", ["last", "all"])
+def test_hidden_states_asked_of_forward_are_the_full_runs_rows(checkpoints, logits):
+    """forward(hidden="all") gives every position's final-normed hidden state, hidden="last" each
+    row's last one (the KV-shared layers running on the last tokens alone), beside unchanged logits."""
+    model = load_model(checkpoints("gemma4_text").path, dtype=torch.float32, device="cpu")
+    rows = [ids_for(n, seed=30 + n) for n in (23, 6)]
+    full = [model.hidden_states(Batch.single(row), model.make_caches(1))[0] for row in rows]
+    plain = model(Batch.ragged(rows), model.make_caches(2), logits=logits)
+    for hidden in ["all", "last"]:
+        got, states = model(Batch.ragged(rows), model.make_caches(2), logits=logits, hidden=hidden)
+        torch.testing.assert_close(got, plain, rtol=0, atol=2e-5)
+        for b, states_b in enumerate(full):
+            want = states_b if hidden == "all" else states_b[-1:]
+            torch.testing.assert_close(states[b, : want.shape[0]], want, rtol=0, atol=2e-5)
+        assert states.shape[1] == (max(map(len, rows)) if hidden == "all" else 1)
 
 
 def tiny(**kw) -> dict:

@@ -197,19 +197,22 @@ def allow_all_shared_layers() -> None:
     Gemma4TextConfig.kv_sharing_modes = property(kv_sharing_modes)
 
 
-def assistant_pair(out, ordered: bool) -> tuple[Checkpoint, Checkpoint]:
+def assistant_pair(out, ordered: bool, vocab: int = VOCAB) -> tuple[Checkpoint, Checkpoint]:
     """A target whose KV-shared layers leave a producer of each type (window 8, so a 40-token prompt
     wraps it) and its assistant: 3 layers of another width over the target's KV; `ordered`: the
-    ordered-embedding head (8 clusters, top 2) and an untied head, else a tied plain head."""
+    ordered-embedding head (8 clusters, top 2) and an untied head, else a tied plain head. A small
+    `vocab` lets the two models' distributions overlap (sampling tests)."""
     from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM, Gemma4ForCausalLM
 
     allow_all_shared_layers()
     torch.manual_seed(0)
-    target_cfg = text_config(False, [S, F] * 3, num_kv_shared_layers=2, sliding_window=8)
+    vocabs = dict(vocab_size=vocab, vocab_size_per_layer_input=vocab)
+    target_cfg = text_config(False, [S, F] * 3, num_kv_shared_layers=2, sliding_window=8, **vocabs)
     target = save(Gemma4ForCausalLM(target_cfg), out / "target", "gemma4_target")
     text = text_config(
         True,
         [S, S, F],
+        vocab_size=vocab,
         hidden_size=48,
         intermediate_size=96,
         sliding_window=8,
@@ -228,5 +231,5 @@ def assistant_pair(out, ordered: bool) -> tuple[Checkpoint, Checkpoint]:
     model = Gemma4AssistantForCausalLM(cfg)
     if ordered:
         g = torch.Generator().manual_seed(4)
-        model.masked_embedding.token_ordering.copy_(torch.randperm(VOCAB, generator=g))
+        model.masked_embedding.token_ordering.copy_(torch.randperm(vocab, generator=g))
     return target, save(model, out / "assistant", "gemma4_assistant")

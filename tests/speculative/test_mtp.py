@@ -84,7 +84,7 @@ def prefill(model, prompt: list[int], drafter, start: int = 0, chunk: int = 16):
         model(Batch.single(prompt[:start]), caches)
     for pos in range(start, len(prompt), chunk):
         piece = prompt[pos : pos + chunk]
-        logits, hidden = model(Batch.single(piece, offset=pos), caches, hidden=True)
+        logits, hidden = model(Batch.single(piece, offset=pos), caches, hidden="all")
         drafter.observe(pos, piece, hidden[0])
     return caches, logits
 
@@ -99,7 +99,7 @@ def mtp_greedy(model, prompt: list[int], n: int, drafter, seed: int = 0, start: 
     while len(out) < n:
         k = min(rng.randint(1, 6), n - len(out) - 1)
         if k < 1 or rng.random() < 0.25:
-            logits, hidden = model(Batch.single([out[-1]], offset=offset), caches, hidden=True)
+            logits, hidden = model(Batch.single([out[-1]], offset=offset), caches, hidden="all")
             drafter.observe(offset, out[-1:], hidden[0])
             out.append(int(logits.argmax()))
             offset += 1
@@ -160,7 +160,7 @@ def test_greedy_equals_plain_and_every_cache_equals_a_plain_run(heads, name, tru
         assert [o for o, _, _ in drafter.observed] == [start, *ends[:-1]] and ends[-1] == end
         assert [t for _, tokens, _ in drafter.observed for t in tokens] == run[start:end]
         reported = torch.cat([h for _, _, h in drafter.observed])
-        plain_hidden = model(Batch.single(run[:end]), model.make_caches(1), hidden=True)[1][0, start:]
+        plain_hidden = model(Batch.single(run[:end]), model.make_caches(1), hidden="all")[1][0, start:]
         torch.testing.assert_close(reported, plain_hidden, rtol=0, atol=1e-4)
 
         logits = model(Batch.single([run[-1]], offset=end), caches)

@@ -12,7 +12,8 @@ medians reported, load average noted because the machine may be shared):
   model copies its context (a trained model on this prompt): every draft right, the best case.
 - random: a drafter proposing random tokens, never accepted: the controller must back off to
   plain decoding (the cost that remains is its probing).
-- draft: a draft model (`--draft-model`, optionally int8), when given: acceptance as it comes.
+- draft: a draft model (`--draft-model`, optionally int8; a Gemma 4 assistant for a Gemma 4 model),
+  when given: acceptance as it comes.
 - mtp: the checkpoint's own multi-token-prediction head (`--mtp`), when asked: acceptance as it
   comes (a random head's drafts are almost never right: what remains is its drafting cost).
 
@@ -36,7 +37,7 @@ from pathlib import Path
 import torch
 
 from hybridlm.engine import Engine, SamplingParams
-from hybridlm.speculative import MTP, Draft, Drafter, DraftModel, NgramDrafter, Speculator, TargetPolicy
+from hybridlm.speculative import MTP, Draft, Drafter, NgramDrafter, Speculator, TargetPolicy, load_draft
 
 
 class RandomDrafter(Drafter):
@@ -128,8 +129,8 @@ def main(args) -> int:
         }
         if args.draft_model:
             print(f"loading draft model {args.draft_model} ...", flush=True)
-            factories["draft"] = DraftModel.load(
-                args.draft_model, dtype=dtype, device=model.device, quantize=args.draft_quantize
+            factories["draft"] = load_draft(
+                args.draft_model, model, dtype=dtype, quantize=args.draft_quantize
             )
         if args.mtp:
             factories["mtp"] = MTP.load(path, model)

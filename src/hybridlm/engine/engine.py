@@ -335,6 +335,8 @@ class Engine:
         else:
             session = running.session = self.prefix.begin(ids)
             caches, start = session.caches, session.offset
+        if running.speculation is not None:
+            running.speculation.attach(caches)
         logits = None
         for pos in range(start, len(ids), self.prefill_chunk):
             if running.request.cancelled:
@@ -354,7 +356,7 @@ class Engine:
         spec = running.speculation
         if spec is None or not spec.reads_hidden:
             return self.model(batch, caches)
-        logits, hidden = self.model(batch, caches, hidden=True)
+        logits, hidden = self.model(batch, caches, hidden=spec.hidden_rows)
         spec.observe(offset, ids, hidden[0])
         return logits
 

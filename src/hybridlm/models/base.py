@@ -113,18 +113,28 @@ class CausalLM(nn.Module):
 
     @torch.no_grad()
     def forward(
-        self, batch: Batch, caches: list[LayerCache | None], logits: str = "last", hidden: bool = False
+        self,
+        batch: Batch,
+        caches: list[LayerCache | None],
+        logits: str = "last",
+        hidden: str | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Run the batch through the model, advancing the caches.
 
         logits: "last" -> [B, V] float32 at each row's last real token; "all" -> [B, L, V].
-        hidden: also return the final-normed hidden states [B, L, d] (what an MTP head reads):
-            (logits, hidden).
+        hidden: also return final-normed hidden states (what a drafter reading the target's hidden
+            states takes), as (logits, hidden): "all" -> [B, L, d]; "last" -> [B, 1, d] at each row's
+            last real token (a family may then skip computing the others).
         """
         h = self.hidden_states(batch, caches)
-        if logits == "all":
-            out = self.head(h)
-        else:
-            last = torch.as_tensor(batch.query_lens, device=h.device) - 1
-            out = self.head(h[torch.arange(h.shape[0], device=h.device), last.clamp(min=0)])
-        return (out, h) if hidden else out
+        last = last_rows(batch, h) if "last" in (logits, hidden) else None
+        out = self.head(h) if logits == "all" else self.head(last[:, 0])
+        if hidden is None:
+            return out
+        return out, h if hidden == "all" else last
+
+
+def last_rows(batch: Batch, h: torch.Tensor) -> torch.Tensor:
+    """[B, L, d] -> [B, 1, d]: each row's last real token (position 0 for a row without tokens)."""
+    last = (torch.as_tensor(batch.query_lens, device=h.device) - 1).clamp(min=0)
+    return h[torch.arange(h.shape[0], device=h.device), last][:, None]

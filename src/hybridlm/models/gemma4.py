@@ -22,7 +22,7 @@ from torch import nn
 
 from hybridlm.batch import Batch
 from hybridlm.cache import AttentionHistory, KVCache, SlidingKVCache
-from hybridlm.models.base import CausalLM, Config, register
+from hybridlm.models.base import CausalLM, Config, last_rows, register
 from hybridlm.models.layers import ACTIVATIONS, GatedMLP, rope_tables
 from hybridlm.models.qwen3_next import Experts
 from hybridlm.ops.attention import attention
@@ -447,10 +447,18 @@ class Gemma4(CausalLM):
         return self.run_layers(batch, caches, last_only=False)
 
     @torch.no_grad()
-    def forward(self, batch: Batch, caches, logits: str = "last") -> torch.Tensor:
-        if logits == "all":
-            return self.head(self.hidden_states(batch, caches))
-        return self.head(self.run_layers(batch, caches, last_only=True)[:, 0])
+    def forward(self, batch: Batch, caches, logits: str = "last", hidden: str | None = None):
+        """See `CausalLM.forward`. Unless every position's logits or hidden states are asked for, the
+        KV-shared layers run on the last tokens only."""
+        if "all" in (logits, hidden):
+            h = self.hidden_states(batch, caches)
+            last = last_rows(batch, h)
+        else:
+            h = last = self.run_layers(batch, caches, last_only=True)
+        out = self.head(h) if logits == "all" else self.head(last[:, 0])
+        if hidden is None:
+            return out
+        return out, h if hidden == "all" else last
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """[..., d] -> [..., V] float32 logits, soft-capped to ±cap when the config sets a cap."""

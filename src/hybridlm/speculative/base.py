@@ -1,15 +1,17 @@
 """Contracts of speculative decoding: what a drafter proposes (`Draft`), how the target picks tokens
-(`TargetPolicy`), the `Drafter` interface every drafter implements, and `HiddenStateDrafter` for
-drafters that read the target's hidden states (MTP heads)."""
+(`TargetPolicy`), the `Drafter` interface every drafter implements, `HiddenStateDrafter` for
+drafters that read the target's hidden states (MTP heads) and `TargetCacheDrafter` for those that
+also read its caches (the Gemma 4 assistant)."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from hybridlm.cache.base import LayerCache
 from hybridlm.ops.sampling import filter_logits
 
 
@@ -79,15 +81,34 @@ class Drafter(ABC):
 
 
 class HiddenStateDrafter(Drafter):
-    """A drafter that reads the target's hidden states (an MTP head). Whoever runs the target hands it
-    every committed target forward, in order: each prefill chunk, each plain decode step, the
-    committed positions of each verify pass. Positions the target never computed (a prefix-cache
-    hit restores them) have none: the first report may start anywhere."""
+    """A drafter that reads the target's hidden states (an MTP head, the Gemma 4 assistant). Whoever
+    runs the target hands it every committed target forward, in order: each prefill chunk, each
+    plain decode step, the committed positions of each verify pass. Positions the target never
+    computed (a prefix-cache hit restores them) have none: the first report may start anywhere.
+
+    hidden_rows: which hidden states a report carries: "all" (every position's) or "last" (the last
+    position's only, so the target may skip computing the others; `CausalLM.forward(hidden=...)`).
+    """
+
+    hidden_rows = "all"
 
     @abstractmethod
     def observe(self, offset: int, tokens: list[int], hidden: torch.Tensor) -> None:
         """The target was fed `tokens` at positions offset … offset+L-1 (all committed); hidden: [L, d]
-        its final-normed hidden states there."""
+        its final-normed hidden states there ([1, d], position offset+L-1's, when hidden_rows is
+        "last")."""
+
+
+class TargetCacheDrafter(HiddenStateDrafter):
+    """A hidden-state drafter that also reads the target's caches (the Gemma 4 assistant attends over
+    the target's keys/values). It is handed the request's live target caches once, before the
+    target's first forward for the request; it reads them only inside `propose`, which always runs
+    between two target forwards, so they hold exactly the committed run."""
+
+    @abstractmethod
+    def attach(self, caches: Sequence[LayerCache | None]) -> None:
+        """The target caches this request's forwards advance (one per target layer, None where
+        stateless)."""
 
 
 def draw(logits: torch.Tensor, policy: TargetPolicy) -> tuple[int, torch.Tensor | None]:

@@ -11,6 +11,7 @@ on every cache kind (KV rewinds, recurrent / conv layers restore a captured chec
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,6 +20,9 @@ from hybridlm.cache.base import LayerCache, Snapshot
 from hybridlm.models.base import CausalLM
 from hybridlm.speculative.base import Draft, Drafter, TargetPolicy, draw
 from hybridlm.speculative.verify import commit_caches
+
+if TYPE_CHECKING:
+    from hybridlm.speculative.assistant import Assistant
 
 QUANTIZATIONS = ("int8",)
 
@@ -29,6 +33,20 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
+
+
+def load_draft(
+    path: str | Path, target: CausalLM, dtype: torch.dtype | None = None, quantize: str | None = None
+) -> DraftModel | Assistant:
+    """The drafter factory for draft checkpoint directory `path`: an
+    `Assistant` when it holds a Gemma 4 assistant (it drafts from `target`'s caches and hidden states,
+    in the target's dtype; ValueError unless `target` is a Gemma 4 it fits), else a `DraftModel` in
+    `dtype` on the target's device. `quantize="int8"`: weight-only int8 linear layers."""
+    from hybridlm.speculative.assistant import Assistant, is_assistant  # it imports this module
+
+    if is_assistant(path):
+        return Assistant.load(path, target, quantize)
+    return DraftModel.load(path, dtype=dtype, device=target.device, quantize=quantize)
 
 
 class DraftModel:

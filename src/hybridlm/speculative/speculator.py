@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hybridlm.cache.base import LayerCache
-from hybridlm.speculative.base import Draft, Drafter, HiddenStateDrafter, TargetPolicy
+from hybridlm.speculative.base import Draft, Drafter, HiddenStateDrafter, TargetCacheDrafter, TargetPolicy
 from hybridlm.speculative.controller import DepthController
 from hybridlm.speculative.verify import Emit, VerifyResult, verify_and_commit
 
@@ -73,7 +73,8 @@ class RequestSpeculation:
     """One request's speculative decoding. Each decode step the engine asks `propose` for a draft
     (None: decode plainly this step and report the time with `observe_plain`), then `verify`s it.
     When `reads_hidden`, the engine also hands every other committed target forward (prefill chunks,
-    plain steps) to `observe`; `verify` reports its own."""
+    plain steps) to `observe`, with the rows `hidden_rows` asks for; `verify` reports its own. Before
+    the request's first target forward the engine hands its live caches to `attach`."""
 
     def __init__(self, owner: Speculator, prompt_ids: list[int], reproducible: bool = False):
         self.owner = owner
@@ -89,9 +90,19 @@ class RequestSpeculation:
         """The drafter reads the target's hidden states (see `HiddenStateDrafter`)."""
         return isinstance(self.drafter, HiddenStateDrafter)
 
+    @property
+    def hidden_rows(self) -> str:
+        """The hidden states each report carries: "all" or "last" (see `HiddenStateDrafter`)."""
+        return self.drafter.hidden_rows
+
+    def attach(self, caches: Sequence[LayerCache | None]) -> None:
+        """The request's live target caches, for a drafter that reads them (`TargetCacheDrafter`)."""
+        if isinstance(self.drafter, TargetCacheDrafter):
+            self.drafter.attach(caches)
+
     def observe(self, offset: int, tokens: list[int], hidden: torch.Tensor) -> None:
         """The target was fed `tokens` at committed positions offset … offset+L-1; hidden: [L, d] its
-        final-normed hidden states there."""
+        final-normed hidden states there ([1, d], the last one's, when `hidden_rows` is "last")."""
         self.drafter.observe(offset, tokens, hidden)
 
     def propose(self, output_ids: list[int], limit: int, policy: TargetPolicy) -> Draft | None:
@@ -121,7 +132,8 @@ class RequestSpeculation:
         hidden = self.reads_hidden
         result = verify_and_commit(model, caches, self.run[-1], draft, offset, policy, emit, hidden)
         if hidden:  # the drafter's work per committed token is part of the round's cost
-            self.observe(offset, result.committed, result.hidden)
+            states = result.hidden if self.hidden_rows == "all" else result.hidden[-1:]
+            self.observe(offset, result.committed, states)
         seconds = time.perf_counter() - t0
         if result.stopped and len(result.tokens) == result.accepted:
             judged = result.accepted  # stopped on an accepted draft: the rest was never compared

@@ -107,7 +107,7 @@ def forward_with_restore_points(
             c.prepare_snapshots(points)
         batch = Batch.single(ids, offset=offset, device=model.device)
         if hidden:
-            logits, states = model(batch, list(caches), logits="all", hidden=True)
+            logits, states = model(batch, list(caches), logits="all", hidden="all")
             logits, states = logits[0], states[0]
         else:
             logits, states = model(batch, list(caches), logits="all")[0], None
