@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from hybridlm.batch import Batch
+from hybridlm.ops.sampling import greedy
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +83,7 @@ def time_decode(model, steps: int, context: int = 128) -> float:
     logits = model(Batch.single(ids, device=model.device), caches)
     times = []
     for i in range(steps + 3):
-        token = int(logits.argmax(-1)[0])
+        token = int(greedy(logits)[0])
         _sync(model.device)
         t0 = time.perf_counter()
         logits = model(Batch.single([token], offset=context + i, device=model.device), caches)

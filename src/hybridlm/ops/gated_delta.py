@@ -317,17 +317,25 @@ typedef float f32x16 __attribute__((vector_size(64)));
 static inline f32x16 ld16(const float* p) { f32x16 v; memcpy(&v, p, sizeof v); return v; }
 static inline void st16(float* p, f32x16 v) { memcpy(p, &v, sizeof v); }
 
-/* One token on a [Dk, JB] column block of the state (row stride ld), in registers:
-   kv = kᵀS; delta = vb - db·kv; S = d·S + k deltaᵀ; o = qᵀS. */
-static inline void step_block(float* S, int64_t ld, int64_t Dk, const float* k, const float* q,
-                              const float* vb, float d, float db, float* o) {
+/* kv = kᵀS on a [Dk, JB] column block of the state (row stride ld). */
+static inline void kv_block(const float* S, int64_t ld, int64_t Dk, const float* k, f32x16 kv[2]) {
     f32x16 kv0 = {0}, kv1 = {0};
     for (int64_t i = 0; i < Dk; i++) {
         kv0 += k[i] * ld16(S + i * ld);
         kv1 += k[i] * ld16(S + i * ld + 16);
     }
-    const f32x16 delta0 = ld16(vb) - db * kv0, delta1 = ld16(vb + 16) - db * kv1;
-    f32x16 o0 = {0}, o1 = {0};
+    kv[0] = kv0;
+    kv[1] = kv1;
+}
+
+/* One token on a column block, given kv = kᵀS: delta = vb - db·kv; S = d·S + k deltaᵀ; o = qᵀS.
+   With `knext` (the next token's k) the same pass leaves knextᵀS (new S) in kv, summed in the
+   order kv_block sums it, so the state is read once per token. */
+static inline void step_block(float* S, int64_t ld, int64_t Dk, const float* k, const float* q,
+                              const float* vb, float d, float db, const float* knext, f32x16 kv[2],
+                              float* o) {
+    const f32x16 delta0 = ld16(vb) - db * kv[0], delta1 = ld16(vb + 16) - db * kv[1];
+    f32x16 o0 = {0}, o1 = {0}, n0 = {0}, n1 = {0};
     for (int64_t i = 0; i < Dk; i++) {
         const f32x16 s0 = ld16(S + i * ld) * d + k[i] * delta0;
         const f32x16 s1 = ld16(S + i * ld + 16) * d + k[i] * delta1;
@@ -335,9 +343,15 @@ static inline void step_block(float* S, int64_t ld, int64_t Dk, const float* k, 
         st16(S + i * ld + 16, s1);
         o0 += q[i] * s0;
         o1 += q[i] * s1;
+        if (knext) {
+            n0 += knext[i] * s0;
+            n1 += knext[i] * s1;
+        }
     }
     st16(o, o0);
     st16(o + 16, o1);
+    kv[0] = n0;
+    kv[1] = n1;
 }
 
 /* The same on the last jb < JB columns. */
@@ -361,14 +375,14 @@ static void copy_cols(float* dst, const float* S, int64_t j0, int64_t jb, int64_
 }
 
 /* x [B, L, 2*Hk*Dk + Hv*Dv] conv output (q | k | v), ab [B, L, 2*Hv] raw gate inputs (a | b),
-   neg_a [Hv] = -exp(A_log), dt_bias [Hv]; state [B, Hv, Dk, Dv] float32 advanced in place;
+   A_log, dt_bias [Hv] (bf16 when params_bf16, else float32); state [B, Hv, Dk, Dv] float32 advanced in place;
    out [B, L, Hv, Dv]; bounds[i] [B, Hv, Dk, Dv] float32 receives the state after splits[i]
    tokens; lens [B] real tokens per row (later tokens are identity steps with zero output) or NULL.
    x, ab and out hold bf16 when is_bf16, else float32. Returns 0, or -1 when out of memory. */
-int hybridlm_gdn_scan(const void* x, const void* ab, const float* neg_a, const float* dt_bias,
+int hybridlm_gdn_scan(const void* x, const void* ab, const void* A_log, const void* dt_bias,
                       float* state, void* out, float** bounds, const int64_t* splits, int64_t nsplit,
                       const int64_t* lens, int64_t B, int64_t L, int64_t Hk, int64_t Hv, int64_t Dk,
-                      int64_t Dv, float scale, int is_bf16, int nthreads) {
+                      int64_t Dv, float scale, int is_bf16, int params_bf16, int nthreads) {
     const int64_t conv_dim = 2 * Hk * Dk + Hv * Dv, rep = Hv / Hk, hs = Dk * Dv;
     int failed = 0;
     #pragma omp parallel num_threads(nthreads)
@@ -403,21 +417,24 @@ int hybridlm_gdn_scan(const void* x, const void* ab, const float* neg_a, const f
                     }
                     const float qs = scale / sqrtf(qq + 1e-6f), ks = 1.f / sqrtf(kk + 1e-6f);
                     for (int64_t i = 0; i < Dk; i++) { q[i] *= qs; k[i] *= ks; }
-                    const float a = load(ab, row * 2 * Hv + h, is_bf16) + dt_bias[h];
+                    const float a = load(ab, row * 2 * Hv + h, is_bf16) + load(dt_bias, h, params_bf16);
                     const float softplus = a > 20.f ? a : log1pf(expf(a));
                     const float bin = load(ab, row * 2 * Hv + Hv + h, is_bf16);
                     const float beta = round_like(1.f / (1.f + expf(-bin)), is_bf16);
-                    dec[t] = expf(neg_a[h] * softplus);
+                    dec[t] = expf(-expf(load(A_log, h, params_bf16)) * softplus);
                     db[t] = beta * dec[t];
                     const int64_t vbase = xbase + 2 * Hk * Dk + h * Dv;
                     for (int64_t j = 0; j < Dv; j++) vb[t * Dv + j] = beta * load(x, vbase + j, is_bf16);
                 }
                 for (int64_t j0 = 0; j0 < Dv; j0 += JB) {
                     const int64_t jb = Dv - j0 < JB ? Dv - j0 : JB;
+                    f32x16 kv[2];
+                    if (jb == JB && nreal > 0) kv_block(S + j0, Dv, Dk, kn, kv);
                     for (int64_t t = 0; t < nreal; t++) {
                         float o[JB];
+                        const float* knext = t + 1 < nreal ? kn + (t + 1) * Dk : NULL;
                         if (jb == JB) step_block(S + j0, Dv, Dk, kn + t * Dk, qn + t * Dk, vb + t * Dv + j0,
-                                                 dec[t], db[t], o);
+                                                 dec[t], db[t], knext, kv, o);
                         else step_cols(S + j0, Dv, Dk, jb, kn + t * Dk, qn + t * Dk, vb + t * Dv + j0,
                                        dec[t], db[t], o);
                         const int64_t obase = ((b * L + t0 + t) * Hv + h) * Dv + j0;
@@ -445,7 +462,7 @@ GDN_KERNEL = NativeKernel(
     _GDN_SOURCE,
     "hybridlm_gdn_scan",
     [_p, _p, _p, _p, _p, _p, _p, _p, _i64, _p, _i64, _i64, _i64, _i64, _i64, _i64, ctypes.c_float,
-     ctypes.c_int, ctypes.c_int],
+     ctypes.c_int, ctypes.c_int, ctypes.c_int],
     ctypes.c_int,
     fallback="the composed torch ops",
 )
@@ -492,7 +509,7 @@ def gated_delta_net_scan(
     """
     B, L, _ = x.shape
     fits = fused_max_len is None or fused_max_len >= L
-    fn = GDN_KERNEL.get() if fits and _fused_applies(x, ab, state, L, inplace) else None
+    fn = GDN_KERNEL.get() if fits and _fused_applies(x, ab, A_log, dt_bias, state, L, inplace) else None
     if fn is None:
         return _composed_scan(x, ab, A_log, dt_bias, state, k_heads, k_dim, v_heads, v_dim,
                               query_lens, splits, inplace)
@@ -504,22 +521,25 @@ def gated_delta_net_scan(
     x, ab = x.contiguous(), ab.contiguous()
     o = torch.empty(B, L, v_heads, v_dim, dtype=x.dtype)
     bounds = [torch.empty(state.shape, dtype=torch.float32) for _ in splits]
-    neg_a = -A_log.float().exp()
-    dt = dt_bias.float().contiguous()
-    status = fn(x.data_ptr(), ab.data_ptr(), neg_a.data_ptr(), dt.data_ptr(), state.data_ptr(), o.data_ptr(),
-                *split_args(splits, bounds, query_lens), B, L, k_heads, v_heads, k_dim, v_dim,
-                k_dim**-0.5, int(x.dtype is torch.bfloat16), torch.get_num_threads())
+    A_log, dt_bias = A_log.contiguous(), dt_bias.contiguous()
+    status = fn(x.data_ptr(), ab.data_ptr(), A_log.data_ptr(), dt_bias.data_ptr(), state.data_ptr(),
+                o.data_ptr(), *split_args(splits, bounds, query_lens), B, L, k_heads, v_heads, k_dim, v_dim,
+                k_dim**-0.5, int(x.dtype is torch.bfloat16), int(A_log.dtype is torch.bfloat16),
+                torch.get_num_threads())
     if status != 0:
         raise MemoryError("hybridlm gated delta kernel: out of memory")
     return o, state, bounds
 
 
-def _fused_applies(x: Tensor, ab: Tensor, state: Tensor, L: int, inplace: bool) -> bool:
+def _fused_applies(x: Tensor, ab: Tensor, A_log: Tensor, dt_bias: Tensor, state: Tensor, L: int,
+                   inplace: bool) -> bool:
     return (
         L > 0
         and x.is_cpu
         and x.dtype in (torch.bfloat16, torch.float32)
         and ab.dtype is x.dtype
+        and A_log.dtype in (torch.bfloat16, torch.float32)
+        and dt_bias.dtype is A_log.dtype
         and state.dtype is torch.float32
         and (state.is_contiguous() or not inplace)
         and not torch.compiler.is_compiling()

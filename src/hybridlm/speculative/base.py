@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from hybridlm.cache.base import LayerCache
-from hybridlm.ops.sampling import filter_logits
+from hybridlm.ops.sampling import filter_logits, greedy
 
 
 @dataclass(frozen=True)
@@ -116,6 +116,6 @@ def draw(logits: torch.Tensor, policy: TargetPolicy) -> tuple[int, torch.Tensor 
     greedy, else (token, q [V]) drawn from q = the drafter's distribution under the policy's
     temperature and filters."""
     if policy.greedy:
-        return int(logits.argmax()), None
+        return int(greedy(logits)), None
     q = policy.probs(logits)
     return int(torch.multinomial(q, 1, generator=policy.generator)), q

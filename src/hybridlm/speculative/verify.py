@@ -21,6 +21,7 @@ import torch
 
 from hybridlm.batch import Batch
 from hybridlm.cache.base import LayerCache, Snapshot
+from hybridlm.ops.sampling import greedy
 from hybridlm.speculative.base import Draft, TargetPolicy
 
 Emit = Callable[[int, torch.Tensor], bool]
@@ -146,7 +147,7 @@ def _accept(
     """Walk the verify logits [N+1, V] position by position; returns (emitted tokens, accepted
     drafts, tokens to keep in the caches, stopped)."""
     # Without an adjustment every greedy choice is known up front: one argmax for all positions.
-    argmax = logits.argmax(-1).tolist() if policy.greedy and policy.adjust is None else None
+    argmax = greedy(logits).tolist() if policy.greedy and policy.adjust is None else None
     stop_after = emit if emit is not None else lambda token, row: False
     tokens: list[int] = []
     for i, d in enumerate(draft.tokens):
@@ -173,7 +174,7 @@ def _choose(
     """The target's token at position i given draft `d` (None: the bonus position) drawn from `q`
     (None: one-hot): (token, whether it is the accepted draft)."""
     if policy.greedy:
-        token = argmax[i] if argmax is not None else int(policy.logits(raw).argmax())
+        token = argmax[i] if argmax is not None else int(greedy(policy.logits(raw)))
         return token, token == d
     p = policy.probs(policy.logits(raw))
     if d is None:
