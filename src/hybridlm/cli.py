@@ -156,8 +156,10 @@ def load(args):
     from tqdm import tqdm
 
     from hybridlm import load_model
+    from hybridlm.engine import serial_setup
 
-    with tqdm(total=3, desc="loading model", unit="step", file=sys.stderr, disable=None, leave=False) as bar:
+    bar = tqdm(total=3, desc="loading model", unit="step", file=sys.stderr, disable=None, leave=False)
+    with bar, serial_setup():
         path = args.model
         if path is None:
             from hybridlm.demo import demo_model_dir
@@ -180,6 +182,7 @@ def make_speculator(model, args):
     """The `Speculator` behind --speculative (None when off)."""
     if args.speculative is None:
         return None
+    from hybridlm.engine import serial_setup
     from hybridlm.models.loader import CheckpointError
     from hybridlm.speculative import MTP, NgramDrafter, Speculator, load_draft
 
@@ -189,14 +192,16 @@ def make_speculator(model, args):
         return Speculator(NgramDrafter, max_depth=args.num_draft)
     if args.speculative == "mtp":
         try:
-            return Speculator(MTP.load(model.path, model.lm), max_depth=args.num_draft)
+            with serial_setup():
+                return Speculator(MTP.load(model.path, model.lm), max_depth=args.num_draft)
         except CheckpointError as e:
             raise SystemExit(f"hybridlm: --speculative mtp: {e}") from None
     if args.draft_model is None:
         raise SystemExit("hybridlm: --speculative draft needs --draft-model DIR")
     try:
         dtype = DTYPES.get(args.dtype)
-        draft = load_draft(args.draft_model, model.lm, dtype=dtype, quantize=args.draft_quantize)
+        with serial_setup():
+            draft = load_draft(args.draft_model, model.lm, dtype=dtype, quantize=args.draft_quantize)
     except ValueError as e:  # an unloadable checkpoint, or an assistant that does not fit this model
         raise SystemExit(f"hybridlm: --draft-model {args.draft_model}: {e}") from None
     mine, theirs = Path(model.path) / "tokenizer.json", Path(args.draft_model) / "tokenizer.json"

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from hybridlm.batch import Batch
+from hybridlm.engine import serial_setup
 from hybridlm.ops.sampling import greedy
 
 log = logging.getLogger(__name__)
@@ -107,7 +108,8 @@ def load_bench_model(args):
         path = demo_model_dir()
     dtype = {"float32": torch.float32, "fp32": torch.float32}.get(args.dtype or "", torch.bfloat16)
     print(f"loading {path} ...", flush=True)
-    return load_model(path, dtype=dtype, device=args.device), path, dtype
+    with serial_setup():
+        return load_model(path, dtype=dtype, device=args.device), path, dtype
 
 
 def main(args) -> int:

@@ -1,6 +1,6 @@
 """Requests, scheduling, prefill / decode, stop rules, streaming and cancellation (DESIGN.md §3.6)."""
 
-from hybridlm.engine.engine import AsyncStream, Engine
+from hybridlm.engine.engine import AsyncStream, Engine, serial_setup
 from hybridlm.engine.params import EngineClosed, InvalidParameter, PromptTooLong, QueueFull, SamplingParams
 from hybridlm.engine.request import Completion, Event, Request, Timings, TokenLogprob, Usage
 
@@ -18,4 +18,5 @@ __all__ = [
     "Timings",
     "TokenLogprob",
     "Usage",
+    "serial_setup",
 ]

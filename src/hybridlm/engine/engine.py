@@ -21,6 +21,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -78,6 +79,24 @@ class _Running:
     first_token: float | None = None
 
 
+@contextmanager
+def serial_setup() -> Iterator[None]:
+    """Run model set-up (loading, warm-up) on the calling thread with one torch thread.
+
+    The engine runs the model on its own thread. Had the set-up thread run parallel torch work too,
+    the process would hold two OpenMP thread pools — more threads than cores — and libgomp then
+    stops spinning between parallel regions: every one of the ~200 parallel regions of a decode step
+    pays a futex wake-up (a Qwen3.5-0.8B-shaped decode step: 82 ms instead of 65, 2 cores). The
+    thread count is restored on exit; no pool exists until the engine's thread makes one.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 class Engine:
     """Serves generation requests for one model on a dedicated worker thread.
 
@@ -125,6 +144,7 @@ class Engine:
         self._running: list[_Running] = []
         self._wake = threading.Condition()
         self._closed = False
+        self._threads = torch.get_num_threads()
         self._thread = threading.Thread(target=self._loop, name="hybridlm-engine", daemon=True)
         self._thread.start()
 
@@ -225,6 +245,8 @@ class Engine:
         # Denormal flushing is a per-thread CPU flag; set it on the thread that runs the model (the
         # recurrent kernels slow down ~10x on subnormal floats otherwise).
         torch.set_flush_denormal(True)
+        # OpenMP's team size is per thread; the creator's setting may have been made elsewhere.
+        torch.set_num_threads(self._threads)
         while True:
             batch = self._schedule()
             if batch is None:
