@@ -184,10 +184,13 @@ def make_speculator(model, args):
         return None
     from hybridlm.engine import serial_setup
     from hybridlm.models.loader import CheckpointError
+    from hybridlm.ops.native import FEW_TOKENS
     from hybridlm.speculative import MTP, NgramDrafter, Speculator, load_draft
 
-    if args.num_draft < 1:
-        raise SystemExit(f"hybridlm: --num-draft must be >= 1, got {args.num_draft}")
+    if not 1 <= args.num_draft <= FEW_TOKENS - 1:
+        # Longer verify passes would leave the per-token CPU kernels, and bf16 greedy output could
+        # then differ from plain decoding.
+        raise SystemExit(f"hybridlm: --num-draft must be in [1, {FEW_TOKENS - 1}], got {args.num_draft}")
     if args.speculative == "ngram":
         return Speculator(NgramDrafter, max_depth=args.num_draft)
     if args.speculative == "mtp":

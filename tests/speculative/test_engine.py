@@ -144,6 +144,9 @@ def test_cli_builds_the_speculator(demo):
     assert ngram.controller.max_depth == 5 and isinstance(ngram.make_drafter(), NgramDrafter)
     with pytest.raises(SystemExit, match="--draft-model"):
         make_speculator(demo, parse("--speculative", "draft"))
+    for bad in ("0", "17"):  # beyond 16 drafts a verify pass leaves the per-token kernels
+        with pytest.raises(SystemExit, match=r"--num-draft must be in \[1, 16\]"):
+            make_speculator(demo, parse("--speculative", "ngram", "--num-draft", bad))
     flags = ("--speculative", "draft", "--draft-model", str(demo.path), "--draft-quantize", "int8")
     draft = make_speculator(demo, parse(*flags))
     assert draft.make_drafter().model.lm_head.weight_int8.dtype == torch.int8

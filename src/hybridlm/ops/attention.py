@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridlm.batch import Batch
-from hybridlm.ops.native import BF16_HELPERS, NativeKernel
+from hybridlm.ops.native import BF16_HELPERS, FEW_TOKENS, NativeKernel
 
 _ATTENTION_SOURCE = BF16_HELPERS + r"""
 #include <math.h>
@@ -163,8 +163,7 @@ KERNEL = NativeKernel(
     ctypes.c_int,
     fallback="scaled_dot_product_attention",
 )
-# Most query rows per call the kernel takes: a verify pass (up to 16 drafts) and decode.
-KERNEL_MAX_QUERIES = 17
+KERNEL_MAX_QUERIES = FEW_TOKENS
 
 
 def _kernel_attention(q, k, v, batch, key_start, scale, window, softcap) -> torch.Tensor | None:

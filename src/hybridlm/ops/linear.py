@@ -22,20 +22,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridlm.ops.native import BF16_HELPERS, NativeKernel
+from hybridlm.ops.native import BF16_HELPERS, FEW_TOKENS, NativeKernel
 
 __all__ = [
     "MAX_FAST_ROWS", "Int8Linear", "Linear", "fast_path_available", "kernel_rows", "linear", "quantize_int8_"
 ]
 
-# Most input rows the kernel takes (decode is 1 row, speculative verify up to 16). Where the CPU
-# has bf16 dot-product instructions (AVX512-BF16) a row costs one instruction per 32 weights and
-# 16 rows still stream the weights at memory speed (6144 x 1024: 0.26 ms for 1 row, 0.85 ms for 9
-# rows with the portable loop, 0.58 ms with oneDNN). Without them each row costs two fp32 FMAs per
-# weight pair, and from 5 rows on oneDNN is as fast, so the kernel stops at 4 rows. Using one
-# kernel for every row count also makes a row's result independent of how many rows share the
-# call: a verify pass computes each position exactly as a one-token decode step would.
-MAX_FAST_ROWS = 16
+# Most input rows the kernel takes: decode (1 row) and speculative verify (up to FEW_TOKENS). Where
+# the CPU has bf16 dot-product instructions (AVX512-BF16) a row costs one instruction per 32
+# weights: on one thread, 6144 x 1024 takes 0.91 ms for 1 row, 1.14 for 4, 1.58 for 9 (oneDNN: 1.27,
+# 1.38, 1.47). Without them each row costs two fp32 FMAs per weight pair and from 5 rows on the
+# kernel is compute-bound, so it stops at 4 rows. One kernel for every row count makes a row's
+# result independent of the rows beside it: a verify pass computes each position exactly as a
+# one-token decode step does.
+MAX_FAST_ROWS = FEW_TOKENS
 
 # y[m, n] = bf16(sum_k x[m, k] * w[n, k] + bias[n]) with x, w, bias, y bf16 and fp32 accumulation.
 # Weight rows are processed in blocks of RB rows against up to MC input rows at a time, so each
@@ -52,7 +52,7 @@ _KERNEL_SOURCE = BF16_HELPERS + r"""
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
-#define MAX_ROWS 16
+#define MAX_ROWS 17  /* FEW_TOKENS */
 /* The same tile with vdpbf16ps: x stays bf16, each instruction multiplies 32 bf16 pairs and adds
    them (exactly: products of bf16 fit an fp32) into 16 fp32 sums, odd element then even. */
 static inline __attribute__((always_inline)) void tile_dp(const uint16_t* x, int64_t K, int mc,

@@ -29,6 +29,12 @@ logger = logging.getLogger(__name__)
 # torch already loaded, so the kernels share torch's OpenMP thread pool instead of adding one.
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 
+# Most tokens a call is treated as decode-like: a verify pass of 16 drafts plus its current token.
+# Every per-token kernel takes at least this many tokens, and computes each token as it would alone,
+# so a verify pass computes every position bit for bit as a decode step does (speculative greedy
+# output equals plain greedy output in bf16 too).
+FEW_TOKENS = 17
+
 # Shared by the kernels' sources: bf16 is the upper half of an fp32.
 BF16_HELPERS = r"""
 #include <stdint.h>

@@ -58,8 +58,9 @@ NORM_KERNEL = NativeKernel(
     None,
     fallback="torch ops",
 )
-# Above this many elements torch's vectorised, multi-threaded ops are as fast (prefill).
-FUSED_MAX_NUMEL = 1 << 16
+# Above this many elements torch's vectorised, multi-threaded ops are as fast (prefill); at least
+# FEW_TOKENS rows of any model's width (hidden 8192; per-head q/k norms of 128 heads x 128).
+FUSED_MAX_NUMEL = 1 << 18
 RMS, OFFSET, GATED = 0, 1, 2
 
 
