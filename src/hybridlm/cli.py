@@ -561,7 +561,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="random checkpoints of these published shapes",
     )
     r.add_argument("--tokens", type=int, default=2048, help="prefix length (default 2048)")
-    r.add_argument("--cadence", type=int, default=512, help="restore point spacing (default 512)")
+    r.add_argument("--cadence", type=int, default=256, help="restore point spacing (default 256, as served)")
     r.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     r.add_argument("--json", default=None, help="also write the report as JSON to this file")
     r.set_defaults(func=cmd_bench_restore)
@@ -607,6 +607,9 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging()
     args = build_parser().parse_args(argv)
     from hybridlm.models.loader import CheckpointError
+    from hybridlm.runtime import keep_freed_memory
+
+    keep_freed_memory()
 
     try:
         return args.func(args)

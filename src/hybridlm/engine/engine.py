@@ -49,6 +49,7 @@ from hybridlm.models.base import CausalLM
 from hybridlm.models.tokenizer import IncrementalDecoder, Tokenizer
 from hybridlm.ops.sampling import apply_penalties, sample, token_logprobs
 from hybridlm.prefix.cache import PrefixCache, Session
+from hybridlm.runtime import keep_freed_memory
 from hybridlm.speculative import Drafter, RequestSpeculation, Speculator, TargetPolicy
 
 log = logging.getLogger(__name__)
@@ -144,6 +145,7 @@ class Engine:
         self._running: list[_Running] = []
         self._wake = threading.Condition()
         self._closed = False
+        keep_freed_memory()
         self._threads = torch.get_num_threads()
         self._thread = threading.Thread(target=self._loop, name="hybridlm-engine", daemon=True)
         self._thread.start()

@@ -70,7 +70,7 @@ class CapturePlan:
     cadence: a checkpoint every `cadence` tokens bounds replay; tail: checkpoints this many tokens
     before the prompt end, where chat templates later rewrite history."""
 
-    cadence: int = 512
+    cadence: int = 256
     tail: tuple[int, ...] = (1, 8, 32)
 
     def offsets(self, start: int, prompt_len: int) -> list[int]:
