@@ -6,7 +6,8 @@ from __future__ import annotations
 import random
 
 from hybridlm.batch import Batch
-from hybridlm.speculative import Draft, Drafter, TargetPolicy, verify_and_commit
+from hybridlm.speculative import Draft, Drafter, Speculator, TargetPolicy, verify_and_commit
+from hybridlm.speculative.controller import DepthController
 
 
 def ids_for(n: int, seed: int, vocab: int = 500) -> list[int]:
@@ -65,3 +66,15 @@ class OracleDrafter(Drafter):
 
     def close(self) -> None:
         pass
+
+
+class AlwaysDraft(DepthController):
+    """Drafts `max_depth` tokens every round it may: these tests must see drafts whatever the
+    timings (the adaptive controller backs off where drafting does not pay on a busy machine)."""
+
+    def depth(self, state, limit: int) -> int:
+        return min(self.max_depth, limit)
+
+
+def speculator(make_drafter, depth: int = 6) -> Speculator:
+    return Speculator(make_drafter, controller=AlwaysDraft(max_depth=depth))

@@ -32,15 +32,13 @@ from hybridlm.server.app import create_app
 from hybridlm.speculative import (
     Assistant,
     AssistantDrafter,
-    DepthController,
-    Speculator,
     TargetPolicy,
     verify_and_commit,
 )
 from tests.models.test_families import assert_close_to_scale
 from tests.oracles.common import VOCAB
 from tests.oracles.gemma4 import allow_all_shared_layers, assistant_pair
-from tests.speculative.helpers import OracleDrafter, ids_for, plain_greedy
+from tests.speculative.helpers import OracleDrafter, ids_for, plain_greedy, speculator
 from tests.speculative.test_sampling import chi_square_p
 
 GENERATE = 40
@@ -78,18 +76,6 @@ def pairs(tmp_path_factory):
         return made[ordered, vocab]
 
     return get
-
-
-class AlwaysDraft(DepthController):
-    """Drafts `max_depth` tokens every round it may: these tests must see drafts whatever the
-    timings (the adaptive controller backs off where drafting does not pay on a busy machine)."""
-
-    def depth(self, state, limit: int) -> int:
-        return min(self.max_depth, limit)
-
-
-def speculator(make_drafter, depth: int = 6) -> Speculator:
-    return Speculator(make_drafter, controller=AlwaysDraft(max_depth=depth))
 
 
 class StepRecorder:

@@ -14,7 +14,7 @@ from hybridlm.engine import Engine, SamplingParams
 from hybridlm.prefix.cache import PrefixCache
 from hybridlm.server.app import create_app
 from hybridlm.speculative import DraftModel, NgramDrafter, Speculator
-from tests.speculative.helpers import OracleDrafter, ids_for
+from tests.speculative.helpers import OracleDrafter, ids_for, speculator
 from tests.speculative.test_verify import FAMILIES
 
 
@@ -71,11 +71,11 @@ def test_prefix_cache_holds_only_committed_tokens(models, name):
     prompt = ids_for(37, seed=5)
     greedy = SamplingParams(temperature=0.0, max_tokens=40)
     truth = generate(model, None, prompt, greedy).token_ids
-    speculator = Speculator(DraftModel(models(name, int8=True)), max_depth=6)
+    spec = speculator(DraftModel(models(name, int8=True)))
     at = next(i for i in range(12, 40) if truth[i] not in truth[:i])  # a stop id first seen late
     stop = SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[truth[at]])
     follow_ups = [prompt + truth[:at] + ids_for(9, seed=6), prompt[:30] + ids_for(12, seed=7)]
-    with Engine(model, None, prefix=PrefixCache(model), speculative=speculator) as engine:
+    with Engine(model, None, prefix=PrefixCache(model), speculative=spec) as engine:
         first = engine.generate(prompt, stop)
         assert first.token_ids == truth[: at + 1]
         assert first.usage.speculative.accepted_tokens > 0
@@ -119,7 +119,7 @@ def test_seeded_sampling_is_reproducible(demo):
 def test_server_reports_usage_metrics_and_honours_opt_out(demo):
     tok = demo.tokenizer
     prompt = tok.encode("one two three one two three one two three one two three")
-    with Engine(demo.lm, tok, speculative=NgramDrafter) as engine:
+    with Engine(demo.lm, tok, speculative=speculator(NgramDrafter)) as engine:
         client = TestClient(create_app(engine, "demo"))
         body = {"model": "demo", "prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
         usage = client.post("/v1/completions", json=body).json()["usage"]

@@ -23,10 +23,10 @@ from hybridlm.engine import Engine, SamplingParams
 from hybridlm.models import load_model
 from hybridlm.models.loader import CheckpointError
 from hybridlm.prefix.cache import PrefixCache
-from hybridlm.speculative import MTP, MTPDrafter, Speculator, TargetPolicy, verify_and_commit
+from hybridlm.speculative import MTP, MTPDrafter, TargetPolicy, verify_and_commit
 from tests.oracles.common import Checkpoint
 from tests.oracles.mtp import MODEL_TYPE, MTPReference, add_mtp
-from tests.speculative.helpers import OracleDrafter, ids_for, plain_greedy
+from tests.speculative.helpers import OracleDrafter, ids_for, plain_greedy, speculator
 
 NAMES = ["qwen3_5_text_mtp", "qwen3_next_mtp"]  # dense MLP / MoE in the head's layer; one file / an index
 GENERATE = 40
@@ -208,7 +208,7 @@ def test_engine_with_prefix_cache_hits_matches_plain_decoding(heads, name):
         drafters.append(RecordingMTPDrafter(mtp, ids, truth, wrong=0.3, seed=len(drafters)))
         return drafters[-1]
 
-    with Engine(model, None, prefix=PrefixCache(model), speculative=Speculator(make, max_depth=6)) as engine:
+    with Engine(model, None, prefix=PrefixCache(model), speculative=speculator(make)) as engine:
         results = [engine.generate(ids, greedy) for ids in prompts]
     for got, truth, drafter in zip(results, truths, drafters, strict=True):
         assert got.token_ids == truth
@@ -216,7 +216,7 @@ def test_engine_with_prefix_cache_hits_matches_plain_decoding(heads, name):
         assert drafter.observed[0][0] == got.usage.cached_tokens
     assert results[1].usage.cached_tokens >= len(prompt) + len(first) - 1
     assert results[2].usage.cached_tokens >= 30
-    untouched = generate(model, None, prompts[1], greedy, speculative=Speculator(mtp))
+    untouched = generate(model, None, prompts[1], greedy, speculative=speculator(mtp))
     assert untouched.token_ids == truths[1] and untouched.usage.speculative.verify_passes > 0
 
 
@@ -238,7 +238,7 @@ def test_stop_rules_inside_drafts_match_plain_decoding(demo_mtp):
     ]
     for params in stops:
         results = []
-        for speculative in (None, Speculator(make, max_depth=6)):
+        for speculative in (None, speculator(make)):
             with Engine(demo_mtp.lm, tok, speculative=speculative) as engine:
                 engine.eos_token_ids = frozenset({eos})
                 results.append(engine.generate(ids, params))
@@ -252,7 +252,7 @@ def test_seeded_sampling_with_mtp_is_reproducible(demo_mtp):
     tok = demo_mtp.tokenizer
     ids = tok.encode("def add(a, b):")
     params = SamplingParams(temperature=0.8, seed=42, max_tokens=24, ignore_eos=True)
-    with Engine(demo_mtp.lm, tok, speculative=MTP.load(demo_mtp.path, demo_mtp.lm)) as engine:
+    with Engine(demo_mtp.lm, tok, speculative=speculator(MTP.load(demo_mtp.path, demo_mtp.lm))) as engine:
         a, b = engine.generate(ids, params), engine.generate(ids, params)
     assert a.token_ids == b.token_ids and len(a.token_ids) == 24
     assert a.usage.speculative.verify_passes > 0
