@@ -6,7 +6,9 @@ from __future__ import annotations
 import random
 
 from hybridlm.batch import Batch
+from hybridlm.engine import Engine
 from hybridlm.speculative import Draft, Drafter, Speculator, TargetPolicy, verify_and_commit
+from hybridlm.speculative.base import TargetCacheDrafter
 from hybridlm.speculative.controller import DepthController
 
 
@@ -78,3 +80,56 @@ class AlwaysDraft(DepthController):
 
 def speculator(make_drafter, depth: int = 6) -> Speculator:
     return Speculator(make_drafter, controller=AlwaysDraft(max_depth=depth))
+
+
+def generate(model, tokenizer, ids, params, **engine_kw):
+    """One request through an engine of its own."""
+    with Engine(model, tokenizer, **engine_kw) as engine:
+        return engine.generate(ids, params)
+
+
+def same_output(a, b) -> None:
+    assert a.token_ids == b.token_ids
+    assert (a.text, a.finish_reason, a.stop_reason) == (b.text, b.finish_reason, b.stop_reason)
+
+
+def hidden_prefill(model, prompt: list[int], drafter, start: int = 0, chunk: int = 16):
+    """Target caches over `prompt` (attached first to a drafter that reads them), fed in chunks,
+    each chunk's hidden states (the rows `drafter.hidden_rows` asks for) reported from `start` on:
+    positions before it stand for a restored prefix and are never reported. Returns (caches,
+    logits of the last prompt token)."""
+    caches = model.make_caches(1)
+    if isinstance(drafter, TargetCacheDrafter):
+        drafter.attach(caches)
+    if start:
+        model(Batch.single(prompt[:start]), caches)
+    for pos in range(start, len(prompt), chunk):
+        piece = prompt[pos : pos + chunk]
+        logits, hidden = model(Batch.single(piece, offset=pos), caches, hidden=drafter.hidden_rows)
+        drafter.observe(pos, piece, hidden[0])
+    return caches, logits
+
+
+def hidden_greedy(model, prompt: list[int], n: int, drafter, seed: int = 0, start: int = 0):
+    """n greedy tokens by rounds of propose → verify (1..6 drafts, never past n tokens) or plain steps
+    (one in four), every committed target forward reported to the drafter, as the engine does.
+    Returns (tokens, target caches)."""
+    rng = random.Random(seed)
+    caches, logits = hidden_prefill(model, prompt, drafter, start)
+    out, offset = [int(logits.argmax())], len(prompt)
+    while len(out) < n:
+        k = min(rng.randint(1, 6), n - len(out) - 1)
+        if k < 1 or rng.random() < 0.25:
+            logits, hidden = model(Batch.single([out[-1]], offset=offset), caches, hidden=drafter.hidden_rows)
+            drafter.observe(offset, out[-1:], hidden[0])
+            out.append(int(logits.argmax()))
+            offset += 1
+            continue
+        draft = drafter.propose(prompt + out, k, TargetPolicy())
+        result = verify_and_commit(model, caches, out[-1], draft, offset, hidden=True)
+        assert result.hidden.shape[0] == len(result.committed)
+        reported = result.hidden if drafter.hidden_rows == "all" else result.hidden[-1:]
+        drafter.observe(offset, result.committed, reported)
+        offset = result.offset
+        out += result.tokens
+    return out, caches

@@ -10,7 +10,6 @@ naming why."""
 
 from __future__ import annotations
 
-import random
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +37,16 @@ from hybridlm.speculative import (
 from tests.models.test_families import assert_close_to_scale
 from tests.oracles.common import VOCAB
 from tests.oracles.gemma4 import allow_all_shared_layers, assistant_pair
-from tests.speculative.helpers import OracleDrafter, ids_for, plain_greedy, speculator
+from tests.speculative.helpers import (
+    OracleDrafter,
+    generate,
+    hidden_greedy,
+    hidden_prefill,
+    ids_for,
+    plain_greedy,
+    same_output,
+    speculator,
+)
 from tests.speculative.test_sampling import chi_square_p
 
 GENERATE = 40
@@ -137,44 +145,6 @@ def assert_drafts_are_transformers(hf, proposals) -> None:
             assert_close_to_scale(got, want, 1e-4)
 
 
-def prefill(model, prompt: list[int], drafter, start: int = 0, chunk: int = 16):
-    """Target caches over `prompt` (attached to the drafter), fed in chunks, reporting each chunk's
-    last hidden state from `start` on (positions before it stand for a restored prefix). Returns
-    (caches, logits of the last prompt token)."""
-    caches = model.make_caches(1)
-    drafter.attach(caches)
-    if start:
-        model(Batch.single(prompt[:start]), caches)
-    for pos in range(start, len(prompt), chunk):
-        piece = prompt[pos : pos + chunk]
-        logits, hidden = model(Batch.single(piece, offset=pos), caches, hidden="last")
-        drafter.observe(pos, piece, hidden[0])
-    return caches, logits
-
-
-def assisted_greedy(model, prompt: list[int], n: int, drafter, seed: int = 0, start: int = 0):
-    """n greedy tokens by rounds of propose → verify (1..6 drafts, never past n tokens) or plain steps
-    (one in four), every committed target forward reported to the drafter, as the engine does.
-    Returns (tokens, target caches)."""
-    rng = random.Random(seed)
-    caches, logits = prefill(model, prompt, drafter, start)
-    out, offset = [int(logits.argmax())], len(prompt)
-    while len(out) < n:
-        k = min(rng.randint(1, 6), n - len(out) - 1)
-        if k < 1 or rng.random() < 0.25:
-            logits, hidden = model(Batch.single([out[-1]], offset=offset), caches, hidden="last")
-            drafter.observe(offset, out[-1:], hidden[0])
-            out.append(int(logits.argmax()))
-            offset += 1
-            continue
-        draft = drafter.propose(prompt + out, k, TargetPolicy())
-        result = verify_and_commit(model, caches, out[-1], draft, offset, hidden=True)
-        drafter.observe(offset, result.committed, result.hidden[-1:])
-        offset = result.offset
-        out += result.tokens
-    return out, caches
-
-
 @pytest.mark.parametrize("truth", [False, True], ids=["own-drafts", "truth-drafts"])
 def test_greedy_equals_plain_and_drafts_and_caches_equal_a_plain_runs(pairs, truth):
     """Assisted greedy = plain greedy for prompts shorter and longer than the window (and a restored
@@ -187,7 +157,7 @@ def test_greedy_equals_plain_and_drafts_and_caches_equal_a_plain_runs(pairs, tru
         prompt = ids_for(length, seed=length)
         expected = plain_greedy(model, prompt, GENERATE)
         drafter = RecordingAssistantDrafter(assistant, prompt, expected if truth else None, seed=length)
-        out, caches = assisted_greedy(model, prompt, GENERATE, drafter, seed=length, start=start)
+        out, caches = hidden_greedy(model, prompt, GENERATE, drafter, seed=length, start=start)
         assert out == expected, (length, start)
         assert len(drafter.proposals) >= 5
         assert_drafts_are_transformers(hf, drafter.proposals[::2])
@@ -218,16 +188,6 @@ def test_engine_output_equals_transformers_assisted_generation(pairs, ordered):
         assert got.token_ids == assisted
         assert got.usage.speculative.verify_passes > 0
         assert generate(model, None, prompt, greedy).token_ids == assisted
-
-
-def generate(model, tokenizer, ids, params, **engine_kw):
-    with Engine(model, tokenizer, **engine_kw) as engine:
-        return engine.generate(ids, params)
-
-
-def same_output(a, b) -> None:
-    assert a.token_ids == b.token_ids
-    assert (a.text, a.finish_reason, a.stop_reason) == (b.text, b.finish_reason, b.stop_reason)
 
 
 def test_engine_with_prefix_cache_hits_matches_plain_decoding(pairs):
@@ -299,7 +259,7 @@ def test_sampled_drafts_carry_the_assistants_distributions(pairs):
     model, assistant, hf = p.target, p.assistant, p.hf
     prompt = ids_for(30, seed=3)
     drafter = assistant()
-    caches, logits = prefill(model, prompt, drafter)
+    caches, logits = hidden_prefill(model, prompt, drafter)
     run = prompt + [int(logits.argmax())]
     policy = TargetPolicy(temperature=0.7, top_k=40, generator=torch.Generator().manual_seed(0))
     draft = drafter.propose(run, 4, policy)
@@ -318,7 +278,7 @@ def test_speculative_sampling_keeps_the_targets_distribution(pairs, temperature,
     model = p.target
     prompt = ids_for(12, seed=9, vocab=vocab)
     drafter = p.assistant()
-    caches, logits = prefill(model, prompt, drafter)
+    caches, logits = hidden_prefill(model, prompt, drafter)
     run = prompt + [int(logits.argmax())]
     policy = TargetPolicy(temperature, top_k, generator=torch.Generator().manual_seed(7))
     target = lambda ids: policy.probs(model(Batch.single(ids), model.make_caches(1))[0])  # noqa: E731

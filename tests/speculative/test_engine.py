@@ -14,7 +14,7 @@ from hybridlm.engine import Engine, SamplingParams
 from hybridlm.prefix.cache import PrefixCache
 from hybridlm.server.app import create_app
 from hybridlm.speculative import DraftModel, NgramDrafter, Speculator
-from tests.speculative.helpers import OracleDrafter, ids_for, speculator
+from tests.speculative.helpers import OracleDrafter, generate, ids_for, same_output, speculator
 from tests.speculative.test_verify import FAMILIES
 
 
@@ -22,16 +22,6 @@ from tests.speculative.test_verify import FAMILIES
 def demo(tmp_path_factory):
     """The demo model (hybrid, real tokenizer) in float32, so argmax comparisons hold."""
     return hybridlm.load_model(write_demo_model(tmp_path_factory.mktemp("demo")), dtype=torch.float32)
-
-
-def generate(model, tokenizer, ids, params, **engine_kw):
-    with Engine(model, tokenizer, **engine_kw) as engine:
-        return engine.generate(ids, params)
-
-
-def same_output(a, b) -> None:
-    assert a.token_ids == b.token_ids
-    assert (a.text, a.finish_reason, a.stop_reason) == (b.text, b.finish_reason, b.stop_reason)
 
 
 @pytest.mark.parametrize("drafter", ["ngram", "oracle"])

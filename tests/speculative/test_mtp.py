@@ -8,7 +8,6 @@ with a clear error."""
 
 from __future__ import annotations
 
-import random
 import re
 import shutil
 
@@ -23,10 +22,19 @@ from hybridlm.engine import Engine, SamplingParams
 from hybridlm.models import load_model
 from hybridlm.models.loader import CheckpointError
 from hybridlm.prefix.cache import PrefixCache
-from hybridlm.speculative import MTP, MTPDrafter, TargetPolicy, verify_and_commit
+from hybridlm.speculative import MTP, MTPDrafter, TargetPolicy
 from tests.oracles.common import Checkpoint
 from tests.oracles.mtp import MODEL_TYPE, MTPReference, add_mtp
-from tests.speculative.helpers import OracleDrafter, ids_for, plain_greedy, speculator
+from tests.speculative.helpers import (
+    OracleDrafter,
+    generate,
+    hidden_greedy,
+    hidden_prefill,
+    ids_for,
+    plain_greedy,
+    same_output,
+    speculator,
+)
 
 NAMES = ["qwen3_5_text_mtp", "qwen3_next_mtp"]  # dense MLP / MoE in the head's layer; one file / an index
 GENERATE = 40
@@ -75,44 +83,6 @@ class RecordingMTPDrafter(MTPDrafter):
         return draft if self.oracle is None else self.oracle.propose(tokens, len(draft), policy)
 
 
-def prefill(model, prompt: list[int], drafter, start: int = 0, chunk: int = 16):
-    """Target caches over `prompt`, fed in chunks, reporting hidden states from `start` on (positions
-    before it stand for a restored prefix: never reported). Returns (caches, logits of the last
-    prompt token)."""
-    caches = model.make_caches(1)
-    if start:
-        model(Batch.single(prompt[:start]), caches)
-    for pos in range(start, len(prompt), chunk):
-        piece = prompt[pos : pos + chunk]
-        logits, hidden = model(Batch.single(piece, offset=pos), caches, hidden="all")
-        drafter.observe(pos, piece, hidden[0])
-    return caches, logits
-
-
-def mtp_greedy(model, prompt: list[int], n: int, drafter, seed: int = 0, start: int = 0):
-    """n greedy tokens by rounds of propose → verify (1..6 drafts, never past n tokens) or plain steps
-    (one in four), every committed target forward reported to the drafter, as the engine does.
-    Returns (tokens, target caches)."""
-    rng = random.Random(seed)
-    caches, logits = prefill(model, prompt, drafter, start)
-    out, offset = [int(logits.argmax())], len(prompt)
-    while len(out) < n:
-        k = min(rng.randint(1, 6), n - len(out) - 1)
-        if k < 1 or rng.random() < 0.25:
-            logits, hidden = model(Batch.single([out[-1]], offset=offset), caches, hidden="all")
-            drafter.observe(offset, out[-1:], hidden[0])
-            out.append(int(logits.argmax()))
-            offset += 1
-            continue
-        draft = drafter.propose(prompt + out, k, TargetPolicy())
-        result = verify_and_commit(model, caches, out[-1], draft, offset, hidden=True)
-        assert result.hidden.shape[0] == len(result.committed)
-        drafter.observe(offset, result.committed, result.hidden)
-        offset = result.offset
-        out += result.tokens
-    return out, caches
-
-
 def log_probs(draft) -> torch.Tensor:
     return draft.probs.double().log()
 
@@ -127,14 +97,14 @@ def test_drafts_follow_the_published_structure(heads, name, start):
     ref = MTPReference(ckpt, MODEL_TYPE[name])
     run = ids_for(40, seed=4)
     drafter = mtp()
-    prefill(model, run[:-1], drafter, start)
+    hidden_prefill(model, run[:-1], drafter, start)
     g = torch.Generator().manual_seed(0)
     draft = drafter.propose(run, 4, TargetPolicy(temperature=1.0, generator=g))
     expected = ref.logits(run, draft.tokens[:-1], start=start).log_softmax(-1)
     torch.testing.assert_close(log_probs(draft), expected, rtol=0, atol=1e-4)
 
     greedy = mtp()
-    prefill(model, run[:-1], greedy, start)
+    hidden_prefill(model, run[:-1], greedy, start)
     tokens = greedy.propose(run, 4, TargetPolicy()).tokens
     assert tokens == ref.logits(run, tokens[:-1], start=start).argmax(-1).tolist()
 
@@ -151,7 +121,7 @@ def test_greedy_equals_plain_and_every_cache_equals_a_plain_run(heads, name, tru
         prompt = ids_for(length, seed=length)
         expected = plain_greedy(model, prompt, GENERATE)
         drafter = RecordingMTPDrafter(mtp, prompt, expected if truth else None, seed=length)
-        out, caches = mtp_greedy(model, prompt, GENERATE, drafter, seed=length, start=start)
+        out, caches = hidden_greedy(model, prompt, GENERATE, drafter, seed=length, start=start)
         assert out == expected, (length, start)
 
         run = prompt + out
@@ -177,16 +147,6 @@ def test_greedy_equals_plain_and_every_cache_equals_a_plain_run(heads, name, tru
             torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-4)
         drafter.close()
         scratch.close()
-
-
-def generate(model, tokenizer, ids, params, **engine_kw):
-    with Engine(model, tokenizer, **engine_kw) as engine:
-        return engine.generate(ids, params)
-
-
-def same_output(a, b) -> None:
-    assert a.token_ids == b.token_ids
-    assert (a.text, a.finish_reason, a.stop_reason) == (b.text, b.finish_reason, b.stop_reason)
 
 
 @pytest.mark.parametrize("name", NAMES)
