@@ -121,17 +121,23 @@ class DraftModelDrafter(Drafter):
         keep = self._rollback(tokens)
         end = len(tokens)
         stateful = self._stateful
-        # All but the last token go in under the prefix session's capture schedule (its offsets lie
-        # inside the prompt, so before `end`); its captures are then set aside so that the drafter's
-        # restore points below neither replace that schedule nor mix with its captures.
-        for pos in range(keep, end - 1, self.prefill_chunk):
-            piece = tokens[pos : min(pos + self.prefill_chunk, end - 1)]
+        # The prompt a draft session scheduled captures in goes in first, under that schedule; its
+        # captures are then set aside so that the drafter's restore points neither replace that
+        # schedule nor mix with its captures (the prompt ends before `end`: one token was emitted).
+        prompt_end = min(max(keep, len(self._session.prompt) if self._session is not None else 0), end - 1)
+        for pos in range(keep, prompt_end, self.prefill_chunk):
+            piece = tokens[pos : min(pos + self.prefill_chunk, prompt_end)]
             self.model(Batch.single(piece, offset=pos, device=self.model.device), self.caches)
         held = [c.take_snapshots() for c in stateful]
-        # Restore points after `end` and each fed draft but the last (the live state).
-        for c in stateful:
-            c.prepare_snapshots(list(range(end, end + k - 1)))
-        logits = self.model(Batch.single(tokens[-1:], offset=end - 1, device=self.model.device), self.caches)
+        logits = None
+        for pos in range(prompt_end, end, self.prefill_chunk):
+            piece = tokens[pos : pos + self.prefill_chunk]
+            if pos + len(piece) == end:
+                # Restore points after `end` and each fed draft but the last (the live state): only the
+                # last chunk is scheduled, so a sliding cache keeps no more rows than it needs.
+                for c in stateful:
+                    c.prepare_snapshots(list(range(end, end + k - 1)))
+            logits = self.model(Batch.single(piece, offset=pos, device=self.model.device), self.caches)
         self.fed = list(tokens)
         self._committed = end
         drafts, rows = [], []
@@ -153,6 +159,8 @@ class DraftModelDrafter(Drafter):
         is always fed: its logits start the draft); returns that offset."""
         keep = common_prefix(self.fed, tokens[: len(tokens) - 1])
         if not self._restore(keep):  # diverged before the last proposal's restore points: start over
+            if self._session is not None:
+                self._drop_session()
             for c in self._stateful:
                 c.free()
             keep = 0
@@ -190,6 +198,12 @@ class DraftModelDrafter(Drafter):
                     c.free()
         elif self._restore(self._committed):
             session.advance(self.fed[len(session.fed) : self._committed])
-        else:
-            raise AssertionError("the committed run is always a restore point")
+        else:  # a failed draft forward left the caches where nothing brings them back
+            session.abandon()
         self.fed = []
+
+    def _drop_session(self) -> None:
+        """Give up the draft session (its work is dropped, the trie keeps what it stored before) and
+        go on with fresh caches of the drafter's own."""
+        self._session.abandon()
+        self._session, self.caches = None, self.model.make_caches(1)
