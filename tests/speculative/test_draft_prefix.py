@@ -8,12 +8,20 @@ from __future__ import annotations
 import pytest
 import torch
 
+import hybridlm
 from hybridlm.batch import Batch
+from hybridlm.demo import write_demo_model
 from hybridlm.engine import Engine, SamplingParams
 from hybridlm.prefix.cache import CapturePlan, PrefixCache
 from hybridlm.speculative import DraftModel
 from tests.speculative.helpers import generate, ids_for, same_output, speculator
 from tests.speculative.test_verify import FAMILIES, OTHER_DRAFT
+
+
+@pytest.fixture(scope="module")
+def demo_model(tmp_path_factory):
+    """The demo model (hybrid, real tokenizer) in float32."""
+    return hybridlm.load_model(write_demo_model(tmp_path_factory.mktemp("demo")), dtype=torch.float32)
 
 
 class CountingModel:
@@ -101,3 +109,45 @@ def test_budget_counts_draft_snapshots_and_gives_the_target_first_claim(models):
         assert pc.ram_bytes <= budget
         assert pc.nbytes == alone.nbytes  # the draft's snapshots never displace the target's
     assert pc.draft.nbytes > 0 and pc.draft.stats.evicted_nodes > 0
+
+
+def test_cli_gives_the_prefix_cache_a_draft_companion_only_for_a_draft_model(demo_model):
+    from hybridlm.cli import build_parser, make_engine
+
+    parse = lambda *flags: build_parser().parse_args(["serve", *flags])
+    flags = ("--speculative", "draft", "--draft-model", str(demo_model.path))
+    with make_engine(demo_model, parse(*flags)) as engine:
+        assert engine.prefix.draft.model is engine.speculative.make_drafter.model
+    for flags in ((), ("--speculative", "ngram")):
+        with make_engine(demo_model, parse(*flags)) as engine:
+            assert engine.prefix.draft is None
+    with make_engine(demo_model, parse("--no-prefix-cache", *flags)) as engine:
+        assert engine.prefix is None
+
+
+def test_a_failed_draft_forward_drops_the_draft_session_and_later_requests_stay_lossless(models):
+    model, draft = models("qwen3_5_text"), FailingOnce(models("lfm2"))
+    greedy = SamplingParams(temperature=0.0, max_tokens=16)
+    prompt = ids_for(37, seed=5)
+    prefix = PrefixCache(model, plan=CapturePlan(cadence=16), draft=draft)
+    with Engine(model, None, prefix=prefix, speculative=speculator(DraftModel(draft))) as engine:
+        engine.generate(prompt, greedy)
+        draft.fail_at = draft.calls + 3  # inside the second request's decoding
+        failed = engine.generate(prompt + ids_for(5, seed=8), greedy)
+        assert failed.finish_reason == "error"
+        for ids in (prompt + ids_for(5, seed=8), prompt[:20] + ids_for(4, seed=9)):
+            same_output(engine.generate(ids, greedy), generate(model, None, ids, greedy))
+
+
+class FailingOnce(CountingModel):
+    """A model whose forward number `fail_at` raises (after changing nothing)."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.calls, self.fail_at = 0, -1
+
+    def __call__(self, batch: Batch, caches, **kw):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise RuntimeError("draft forward failed")
+        return super().__call__(batch, caches, **kw)
