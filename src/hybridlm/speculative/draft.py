@@ -169,7 +169,7 @@ class DraftModelDrafter(Drafter):
 
     def _restore(self, keep: int) -> bool:
         """Bring the caches to `keep` tokens of `fed` with a live rewind or the last proposal's restore
-        points (which are freed); False, changing nothing, where some cache cannot reach it."""
+        points (freed either way); False, the caches unchanged, where some cache cannot reach it."""
         stateful = self._stateful
         captures = self._captures or [[] for _ in stateful]
         reachable = all(
