@@ -72,6 +72,9 @@ def test_draft_caches_restored_from_the_trie_feed_only_what_they_lack(models, na
         same_output(a, generate(model, None, ids, greedy))
         assert a.usage.cached_tokens == b.usage.cached_tokens
         assert a.usage.speculative.verify_passes > 0
+        # Restored draft caches draft what recomputed ones do (the int8 copy is mostly right, so a
+        # wrong restore would show in what is accepted).
+        assert a.usage.speculative.accepted_tokens == b.usage.speculative.accepted_tokens
     assert with_draft.fed < without.fed - 60  # three hits of ≥ 30 prompt tokens were not re-fed
 
 
