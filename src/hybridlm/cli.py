@@ -219,13 +219,19 @@ def make_engine(model, args):
     from hybridlm.engine import Engine
     from hybridlm.prefix.cache import PrefixCache
     from hybridlm.prefix.disk import DiskTier, model_fingerprint
+    from hybridlm.speculative import DraftModel
 
+    speculative = make_speculator(model, args)
     prefix = None
     if not args.no_prefix_cache:
         disk = None
         if args.cache_dir:
             disk = DiskTier(args.cache_dir, args.cache_disk, model_fingerprint(model.lm))
-        prefix = PrefixCache(model.lm, ram_budget=args.cache_ram, disk=disk)
+        # A draft model keeps caches of its own: the prefix cache stores them too (an assistant, MTP
+        # heads and n-grams keep none).
+        drafter = speculative.make_drafter if speculative is not None else None
+        draft = drafter.model if isinstance(drafter, DraftModel) else None
+        prefix = PrefixCache(model.lm, ram_budget=args.cache_ram, disk=disk, draft=draft)
     return Engine(
         model.lm,
         model.tokenizer,
@@ -233,7 +239,7 @@ def make_engine(model, args):
         max_queue=getattr(args, "max_queue", 64),
         context_length=args.context_length,
         prefix=prefix,
-        speculative=make_speculator(model, args),
+        speculative=speculative,
     )
 
 

@@ -357,10 +357,10 @@ class Engine:
         if self.prefix is None:
             caches, start, session = self.model.make_caches(1), 0, None
         else:
-            session = running.session = self.prefix.begin(ids)
+            session = running.session = self.prefix.begin(ids, draft=running.speculation is not None)
             caches, start = session.caches, session.offset
         if running.speculation is not None:
-            running.speculation.attach(caches)
+            running.speculation.attach(caches, session.draft if session is not None else None)
         logits = None
         for pos in range(start, len(ids), self.prefill_chunk):
             if running.request.cancelled:

@@ -9,6 +9,12 @@ Tiers: snapshots live in host RAM under `ram_budget`; with a `DiskTier`, nodes a
 safetensors file each instead of being deleted, loaded back (promoted) when a restore uses them, and
 a new PrefixCache over the same directory and model rebuilds the trie from the files.
 
+Draft companion: with `draft=` (a speculative draft model), a second PrefixCache over the draft model
+keeps the draft's snapshots in a trie of its own (RAM only, no disk tier) and each session opens a
+draft session beside the target's (`session.draft`), so a hit restores the draft model's caches too
+and the drafter feeds only what they lack. The target plans exactly as without it; the draft gets
+only the RAM the target's snapshots leave in `ram_budget` (its nodes are evicted first).
+
 Restore of layer l to target t along path nodes n_0..n_k (each covering [start, end)): start from
 the deepest node whose start the cache can already reach — a live rewind inside the common prefix
 with the live path, or the previous node's snapshot if it stands alone at its end (a recurrent
@@ -91,6 +97,7 @@ class Session:
     restore_ms: float
     fed: list[int] = field(default_factory=list)
     closed: bool = False
+    draft: Session | None = None  # the draft companion's session, its caches restored to `draft.offset`
 
     @property
     def caches(self) -> list[LayerCache | None]:
@@ -113,6 +120,8 @@ class Session:
         """Attach what this session computed to the trie and keep the budget."""
         if not self.closed:
             self.closed = True
+            if self.draft is not None:
+                self.draft.close()
             self.owner._close(self)
 
     def abandon(self) -> None:
@@ -120,6 +129,8 @@ class Session:
         layers may stand at different offsets); the trie keeps everything stored before."""
         if not self.closed:
             self.closed = True
+            if self.draft is not None:
+                self.draft.abandon()
             self.owner._abandon(self)
 
 
@@ -128,7 +139,8 @@ class PrefixCache:
 
     ram_budget: bytes of snapshots held in host memory (None: unbounded). disk: an optional
     `DiskTier` (a directory with its own byte budget) for demoted nodes; the files it already holds
-    for this model are adopted on construction (restart reuse).
+    for this model are adopted on construction (restart reuse). draft: a speculative draft model
+    (`CausalLM`) whose caches sessions restore too (`Session.draft`), within the same `ram_budget`.
     """
 
     def __init__(
@@ -137,6 +149,7 @@ class PrefixCache:
         ram_budget: int | None = None,
         plan: CapturePlan | None = None,
         disk: DiskTier | None = None,
+        draft=None,
     ):
         self.model = model
         self.caches: list[LayerCache | None] = model.make_caches(1)
@@ -151,6 +164,7 @@ class PrefixCache:
         self.stats = CacheStats()
         self.disk = disk
         self._session: Session | None = None
+        self.draft = None if draft is None else PrefixCache(draft, ram_budget, self.plan)
         if disk is not None:
             self._adopt()
             self.enforce_budget()
@@ -163,8 +177,8 @@ class PrefixCache:
 
     @property
     def ram_bytes(self) -> int:
-        """Bytes of snapshots in host RAM (= `nbytes`)."""
-        return self.nbytes
+        """Bytes of snapshots in host RAM: `nbytes` plus the draft companion's."""
+        return self.nbytes + (0 if self.draft is None else self.draft.nbytes)
 
     @property
     def disk_bytes(self) -> int:
@@ -184,8 +198,9 @@ class PrefixCache:
         return sum(1 for n in self.trie.nodes() if n.on_disk)
 
     # ---- begin: match and restore --------------------------------------------------------
-    def begin(self, tokens: list[int]) -> Session:
-        """Restore the longest stored prefix of `tokens` (keeping ≥ 1 token to evaluate)."""
+    def begin(self, tokens: list[int], draft: bool = False) -> Session:
+        """Restore the longest stored prefix of `tokens` (keeping ≥ 1 token to evaluate); with
+        `draft` and a draft companion, also the draft model's caches (`Session.draft`)."""
         if not tokens:
             raise ValueError("a session needs at least one token")
         if self._session is not None and not self._session.closed:
@@ -210,6 +225,8 @@ class PrefixCache:
         restore_ms = (time.perf_counter() - t0) * 1e3
         session = Session(self, list(tokens), target, replayed, restore_ms, list(self.live))
         self._session = session
+        if draft and self.draft is not None:
+            session.draft = self.draft.begin(tokens)
         offsets = self.plan.offsets(target, len(tokens))
         for i in self.layers:
             self.caches[i].prepare_snapshots(offsets, ranges=True)
@@ -384,6 +401,11 @@ class PrefixCache:
                 leaves = [n for n in stored if not n.children]
                 victim = min(leaves or stored, key=lambda n: self._value(n, now))
                 self.stats.disk_evicted_nodes += self._remove_subtree(victim)
+        if self.draft is not None:
+            # The draft's snapshots only save draft prefill: they get what the target's leave.
+            if self.ram_budget is not None:
+                self.draft.ram_budget = max(0, self.ram_budget - self.nbytes)
+            self.draft.enforce_budget()
 
     def _compact(self, total: int, eligible) -> int:
         now = time.monotonic()

@@ -6,6 +6,12 @@ Per proposal the drafter first rolls its caches back to the longest prefix of th
 lacks in one forward and drafts k tokens one at a time, with a restore point scheduled after each
 fed draft token — the same capture mechanism as the target's verify pass, so the rollback works
 on every cache kind (KV rewinds, recurrent / conv layers restore a captured checkpoint).
+
+With a prefix cache that has a draft companion, `resume(session)` hands the drafter the request's
+draft session: its caches, restored to a stored prefix of the prompt, replace the drafter's own, so
+the first proposal feeds only the rest. The captures that session scheduled inside the prompt are
+set aside around the drafter's own restore points and left in the caches for `session.close()`;
+`close()` brings the caches back to the last committed run and records it in the session.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from hybridlm.speculative.base import Draft, Drafter, TargetPolicy, draw
 from hybridlm.speculative.verify import commit_caches
 
 if TYPE_CHECKING:
+    from hybridlm.prefix.cache import Session
     from hybridlm.speculative.assistant import Assistant
 
 QUANTIZATIONS = ("int8",)
@@ -90,6 +97,19 @@ class DraftModelDrafter(Drafter):
         self.caches: list[LayerCache | None] = model.make_caches(1)
         self.fed: list[int] = []
         self._captures: list[list[Snapshot]] = []
+        self._session: Session | None = None
+        self._committed = 0  # length of the run shown to the last proposal (committed by the target)
+
+    def resume(self, session: Session) -> None:
+        """Draft from `session`'s caches (a prefix-cache draft session over this drafter's model,
+        restored to `session.offset` tokens of the prompt) instead of fresh ones; call before the
+        first proposal. A session over another model is ignored."""
+        if session.owner.model is not self.model:
+            return
+        for c in self._stateful:
+            c.free()
+        self.caches, self.fed, self._session = session.caches, list(session.fed), session
+        self._committed = len(session.fed)
 
     @property
     def _stateful(self) -> list[LayerCache]:
@@ -100,16 +120,26 @@ class DraftModelDrafter(Drafter):
         distribution under the policy's temperature and filters (q returned)."""
         keep = self._rollback(tokens)
         end = len(tokens)
+        stateful = self._stateful
+        # The prompt a draft session scheduled captures in goes in first, under that schedule; its
+        # captures are then set aside so that the drafter's restore points neither replace that
+        # schedule nor mix with its captures (the prompt ends before `end`: one token was emitted).
+        prompt_end = min(max(keep, len(self._session.prompt) if self._session is not None else 0), end - 1)
+        for pos in range(keep, prompt_end, self.prefill_chunk):
+            piece = tokens[pos : min(pos + self.prefill_chunk, prompt_end)]
+            self.model(Batch.single(piece, offset=pos, device=self.model.device), self.caches)
+        held = [c.take_snapshots() for c in stateful]
         logits = None
-        for pos in range(keep, end, self.prefill_chunk):
+        for pos in range(prompt_end, end, self.prefill_chunk):
             piece = tokens[pos : pos + self.prefill_chunk]
             if pos + len(piece) == end:
                 # Restore points after `end` and each fed draft but the last (the live state): only the
                 # last chunk is scheduled, so a sliding cache keeps no more rows than it needs.
-                for c in self._stateful:
+                for c in stateful:
                     c.prepare_snapshots(list(range(end, end + k - 1)))
             logits = self.model(Batch.single(piece, offset=pos, device=self.model.device), self.caches)
         self.fed = list(tokens)
+        self._committed = end
         drafts, rows = [], []
         for i in range(k):
             token, q = draw(logits[0], policy)
@@ -119,13 +149,27 @@ class DraftModelDrafter(Drafter):
                 batch = Batch.single([token], offset=end + i, device=self.model.device)
                 logits = self.model(batch, self.caches)
                 self.fed.append(token)
-        self._captures = [c.take_snapshots() for c in self._stateful]
+        self._captures = [c.take_snapshots() for c in stateful]
+        for c, snaps in zip(stateful, held, strict=True):
+            c._captures[:0] = snaps  # for the prefix session's close (none without one)
         return Draft(drafts, None if policy.greedy else torch.stack(rows))
 
     def _rollback(self, tokens: list[int]) -> int:
         """Bring the caches to the longest prefix of `tokens[:-1]` they can reach (the last token
         is always fed: its logits start the draft); returns that offset."""
         keep = common_prefix(self.fed, tokens[: len(tokens) - 1])
+        if not self._restore(keep):  # diverged before the last proposal's restore points: start over
+            if self._session is not None:
+                self._drop_session()
+            for c in self._stateful:
+                c.free()
+            keep = 0
+        self.fed = self.fed[:keep]
+        return keep
+
+    def _restore(self, keep: int) -> bool:
+        """Bring the caches to `keep` tokens of `fed` with a live rewind or the last proposal's restore
+        points (freed either way); False, the caches unchanged, where some cache cannot reach it."""
         stateful = self._stateful
         captures = self._captures or [[] for _ in stateful]
         reachable = all(
@@ -135,12 +179,7 @@ class DraftModelDrafter(Drafter):
         if reachable:
             commit_caches(stateful, captures, keep)
         self._free_captures()
-        if not reachable:  # diverged before the last proposal's restore points: start over
-            for c in stateful:
-                c.free()
-            keep = 0
-        self.fed = self.fed[:keep]
-        return keep
+        return reachable
 
     def _free_captures(self) -> None:
         for snaps in self._captures:
@@ -149,7 +188,22 @@ class DraftModelDrafter(Drafter):
         self._captures = []
 
     def close(self) -> None:
-        self._free_captures()
-        for c in self._stateful:
-            c.free()
+        """Free the restore points and the caches; caches of a prefix session are instead brought
+        back to the run the last proposal was shown (committed) and left to that session."""
+        session, self._session = self._session, None
+        if session is None or session.closed:
+            self._free_captures()
+            if session is None:
+                for c in self._stateful:
+                    c.free()
+        elif self._restore(self._committed):
+            session.advance(self.fed[len(session.fed) : self._committed])
+        else:  # a failed draft forward left the caches where nothing brings them back
+            session.abandon()
         self.fed = []
+
+    def _drop_session(self) -> None:
+        """Give up the draft session (its work is dropped, the trie keeps what it stored before) and
+        go on with fresh caches of the drafter's own."""
+        self._session.abandon()
+        self._session, self.caches = None, self.model.make_caches(1)

@@ -6,13 +6,18 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from hybridlm.cache.base import LayerCache
 from hybridlm.speculative.base import Draft, Drafter, HiddenStateDrafter, TargetCacheDrafter, TargetPolicy
 from hybridlm.speculative.controller import DepthController
+from hybridlm.speculative.draft import DraftModelDrafter
 from hybridlm.speculative.verify import Emit, VerifyResult, verify_and_commit
+
+if TYPE_CHECKING:
+    from hybridlm.prefix.cache import Session
 
 
 @dataclass
@@ -74,7 +79,8 @@ class RequestSpeculation:
     (None: decode plainly this step and report the time with `observe_plain`), then `verify`s it.
     When `reads_hidden`, the engine also hands every other committed target forward (prefill chunks,
     plain steps) to `observe`, with the rows `hidden_rows` asks for; `verify` reports its own. Before
-    the request's first target forward the engine hands its live caches to `attach`."""
+    the request's first target forward the engine hands its live caches (and a prefix-cache draft
+    session, if any) to `attach`."""
 
     def __init__(self, owner: Speculator, prompt_ids: list[int], reproducible: bool = False):
         self.owner = owner
@@ -95,10 +101,13 @@ class RequestSpeculation:
         """The hidden states each report carries: "all" or "last" (see `HiddenStateDrafter`)."""
         return self.drafter.hidden_rows
 
-    def attach(self, caches: Sequence[LayerCache | None]) -> None:
-        """The request's live target caches, for a drafter that reads them (`TargetCacheDrafter`)."""
+    def attach(self, caches: Sequence[LayerCache | None], draft: Session | None = None) -> None:
+        """The request's live target caches, for a drafter that reads them (`TargetCacheDrafter`),
+        and the prefix cache's draft session, for a draft model that resumes from it."""
         if isinstance(self.drafter, TargetCacheDrafter):
             self.drafter.attach(caches)
+        if draft is not None and isinstance(self.drafter, DraftModelDrafter):
+            self.drafter.resume(draft)
 
     def observe(self, offset: int, tokens: list[int], hidden: torch.Tensor) -> None:
         """The target was fed `tokens` at committed positions offset … offset+L-1; hidden: [L, d] its
