@@ -15,6 +15,12 @@ draft session beside the target's (`session.draft`), so a hit restores the draft
 and the drafter feeds only what they lack. The target plans exactly as without it; the draft gets
 only the RAM the target's snapshots leave in `ram_budget` (its nodes are evicted first).
 
+Hidden log: a session whose every forward was handed the target's final-normed hidden states
+(`advance(ids, hidden)`, an MTP drafter is reading them) stores them in the nodes it attaches
+(`Node.hidden`, counted in the RAM budget); a hit whose restored prefix has them for every position
+hands them to the session (`Session.hidden`), so an MTP head can rebuild its context. The disk tier
+does not keep them (a demoted node's hidden log is dropped).
+
 Restore of layer l to target t along path nodes n_0..n_k (each covering [start, end)): start from
 the deepest node whose start the cache can already reach — a live rewind inside the common prefix
 with the live path, or the previous node's snapshot if it stands alone at its end (a recurrent
@@ -28,6 +34,8 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
+
+import torch
 
 from hybridlm.cache.base import LayerCache, Snapshot
 from hybridlm.cache.kv import KVCache, RowsSnapshot
@@ -98,6 +106,10 @@ class Session:
     fed: list[int] = field(default_factory=list)
     closed: bool = False
     draft: Session | None = None  # the draft companion's session, its caches restored to `draft.offset`
+    # [cached, d] the target's hidden states at the restored positions, when the trie has them all.
+    hidden: torch.Tensor | None = None
+    # The hidden states of the positions fed since `cached`, while every forward came with them.
+    hidden_log: list[torch.Tensor] | None = field(default_factory=list)
 
     @property
     def caches(self) -> list[LayerCache | None]:
@@ -112,9 +124,15 @@ class Session:
         """Prompt tokens still to prefill (at least one: it seeds decoding)."""
         return self.prompt[self.offset :]
 
-    def advance(self, ids: list[int]) -> None:
-        """Record tokens just fed through the model (call after each forward)."""
+    def advance(self, ids: list[int], hidden: torch.Tensor | None = None) -> None:
+        """Record tokens just fed through the model (call after each forward); hidden: [len(ids), d]
+        the target's final-normed hidden states there, if computed (stored with the nodes only when
+        every forward of the session came with them)."""
         self.fed.extend(ids)
+        if hidden is None or len(hidden) != len(ids):
+            self.hidden_log = None
+        elif self.hidden_log is not None:
+            self.hidden_log.append(hidden)
 
     def close(self) -> None:
         """Attach what this session computed to the trie and keep the budget."""
@@ -224,6 +242,7 @@ class PrefixCache:
                 node.touch(now)
         restore_ms = (time.perf_counter() - t0) * 1e3
         session = Session(self, list(tokens), target, replayed, restore_ms, list(self.live))
+        session.hidden = _hidden_prefix(path, target)
         self._session = session
         if draft and self.draft is not None:
             session.draft = self.draft.begin(tokens)
@@ -321,7 +340,10 @@ class PrefixCache:
             pieces.append([c.snapshot(last) if c is not None else None for c in caches])
             bounds.append(end)
         self.live = list(session.fed)
-        self._insert(session.fed, bounds, pieces)
+        hidden = None
+        if session.hidden_log:
+            hidden = torch.cat(session.hidden_log)
+        self._insert(session.fed, bounds, pieces, hidden)
         self._session = None
         self.enforce_budget()
 
@@ -334,8 +356,15 @@ class PrefixCache:
         self.live = []
         self._session = None
 
-    def _insert(self, fed: list[int], bounds: list[int], pieces: list[list[Snapshot | None]]) -> None:
-        """Attach pieces [bounds[k], bounds[k+1]) of `fed` below what the trie already stores."""
+    def _insert(
+        self,
+        fed: list[int],
+        bounds: list[int],
+        pieces: list[list[Snapshot | None]],
+        hidden: torch.Tensor | None = None,
+    ) -> None:
+        """Attach pieces [bounds[k], bounds[k+1]) of `fed` below what the trie already stores;
+        hidden: [bounds[-1] - bounds[0], d] the hidden log of those positions, or None."""
         path, stored = self.trie.match(fed)
         if path and stored < path[-1].end and path[-1].on_disk and not self._load(path[-1]):
             # The edge to split could not be loaded and is gone: attach below its parent instead.
@@ -365,7 +394,8 @@ class PrefixCache:
                 for rest in (snaps, *pieces[k + 1 :]):
                     _free_all(rest)
                 break
-            parent = self.trie.attach(parent, fed[lo:hi], snaps)
+            rows = None if hidden is None else hidden[lo - bounds[0] : hi - bounds[0]].clone()
+            parent = self.trie.attach(parent, fed[lo:hi], snaps, rows)
 
     def live_path(self) -> set[int]:
         """Ids of the nodes on the live path (protected from eviction)."""
@@ -499,6 +529,7 @@ class PrefixCache:
         if stored is None:
             return False
         _free_all(node.snaps)
+        node.hidden = None  # the disk tier keeps snapshots only
         node.snaps = [
             StoredSnapshot(stored.layers[i]) if i in stored.layers else None for i in range(len(node.snaps))
         ]
@@ -605,6 +636,20 @@ class PrefixCache:
         node.file, node.file_bytes = stored.name, stored.nbytes
         node.last_used = monotonic_of(stored.last_used)
         return None
+
+
+def _hidden_prefix(path: list[Node], target: int) -> torch.Tensor | None:
+    """[target, d] the hidden states of positions [0, target) from the nodes of `path` (which start at
+    0 and are consecutive), or None when one of them has no hidden log or they end before `target`."""
+    rows, end = [], 0
+    for node in path:
+        if end >= target:
+            break
+        if node.hidden is None:
+            return None
+        rows.append(node.hidden[: min(node.end, target) - node.start])
+        end = min(node.end, target)
+    return torch.cat(rows) if rows and end == target else None
 
 
 def _free_all(snaps: list[Snapshot | None]) -> None:

@@ -1,4 +1,5 @@
-"""The compressed token trie: nodes own one snapshot per stateful layer covering their edge.
+"""The compressed token trie: nodes own one snapshot per stateful layer covering their edge, and
+optionally the target's hidden states there (for an MTP head's context).
 
 Pure data structure (no model, no live caches): matching, splitting an edge, attaching a chain
 of new nodes, removing leaves. `PrefixCache` (prefix/cache.py) drives it.
@@ -10,6 +11,8 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from hybridlm.cache.base import LayerCache, Snapshot
 
 _ids = itertools.count()
@@ -18,7 +21,9 @@ _ids = itertools.count()
 @dataclass(eq=False)
 class Node:
     """Edge `tokens` = positions [start, start + len(tokens)); `snaps[l]` covers the same range for
-    stateful layer l (None for stateless layers; the root has no edge and no snapshots).
+    stateful layer l (None for stateless layers; the root has no edge and no snapshots). `hidden`
+    [len(tokens), d]: the target's final-normed hidden states at the edge's positions, when they were
+    recorded (an MTP drafter was reading them), else None.
 
     A node on the disk tier has `file` set (its file's name, `file_bytes` its size) and holds
     stand-ins (`StoredSnapshot`, 0 RAM bytes) in `snaps` until it is loaded back."""
@@ -32,6 +37,7 @@ class Node:
     id: int = field(default_factory=lambda: next(_ids))
     file: str | None = None
     file_bytes: int = 0
+    hidden: torch.Tensor | None = None
 
     @property
     def end(self) -> int:
@@ -39,8 +45,9 @@ class Node:
 
     @property
     def nbytes(self) -> int:
-        """RAM bytes owned by the snapshots (0 on the disk tier)."""
-        return sum(s.nbytes for s in self.snaps if s is not None)
+        """RAM bytes owned by the snapshots and the hidden log (0 on the disk tier)."""
+        hidden = 0 if self.hidden is None else self.hidden.numel() * self.hidden.element_size()
+        return hidden + sum(s.nbytes for s in self.snaps if s is not None)
 
     @property
     def on_disk(self) -> bool:
@@ -101,18 +108,29 @@ class Trie:
                 upper_snaps.append(a)
                 lower_snaps.append(b)
         upper = Node(node.tokens[:k], node.start, node.parent, upper_snaps, last_used=node.last_used)
+        if node.hidden is not None:
+            upper.hidden, node.hidden = node.hidden[:k].clone(), node.hidden[k:].clone()
         node.parent.children[node.tokens[0]] = upper
         node.tokens, node.start, node.snaps, node.parent = node.tokens[k:], at, lower_snaps, upper
         upper.children[node.tokens[0]] = node
         return upper
 
-    def attach(self, parent: Node, tokens: list[int], snaps: list[Snapshot | None]) -> Node:
-        """Add a child edge under `parent` (its first token must be new among the children)."""
+    def attach(
+        self,
+        parent: Node,
+        tokens: list[int],
+        snaps: list[Snapshot | None],
+        hidden: torch.Tensor | None = None,
+    ) -> Node:
+        """Add a child edge under `parent` (its first token must be new among the children); hidden:
+        [len(tokens), d] or None."""
         if not tokens:
             raise ValueError("an edge needs at least one token")
         if tokens[0] in parent.children:
             raise ValueError("siblings never share a first token")
-        child = Node(list(tokens), parent.end, parent, snaps)
+        if hidden is not None and len(hidden) != len(tokens):
+            raise ValueError(f"a hidden log of {len(hidden)} rows for an edge of {len(tokens)} tokens")
+        child = Node(list(tokens), parent.end, parent, snaps, hidden=hidden)
         parent.children[tokens[0]] = child
         return child
 
@@ -124,7 +142,7 @@ class Trie:
         for snap in node.snaps:
             if snap is not None and not snap.closed:
                 snap.free()
-        node.snaps = []
+        node.snaps, node.hidden = [], None
 
     def nodes(self):
         """Every node but the root, parents before children."""
