@@ -2,6 +2,7 @@
 the published structure run by transformers' modules in float64 (tests/oracles/mtp.py), also when
 its context starts after a prefix-cache hit; speculative greedy decoding with it equals plain greedy
 decoding, in the engine too (prefix-cache hits, stop strings, stop ids and max_tokens inside drafts);
+after a prefix-cache hit the head drafts exactly what it drafts without a prefix cache;
 after accept / reject / plain-step patterns the target's caches equal a plain run and the head's
 cache equals a head fed the plain run from scratch; a checkpoint or family without a head is refused
 with a clear error."""
@@ -153,7 +154,7 @@ def test_greedy_equals_plain_and_every_cache_equals_a_plain_run(heads, name, tru
 def test_engine_with_prefix_cache_hits_matches_plain_decoding(heads, name):
     """Through the engine with a prefix cache: a first request, then one extending it and one
     diverging inside it (both served partly from the cache) decode exactly as without speculation;
-    the drafter's context starts at the first position the target recomputed."""
+    the target reports hidden states from the first position it recomputed."""
     model, mtp, _ = heads(name)
     greedy = SamplingParams(temperature=0.0, max_tokens=30)
     prompt = ids_for(37, seed=5)
@@ -178,6 +179,56 @@ def test_engine_with_prefix_cache_hits_matches_plain_decoding(heads, name):
     assert results[2].usage.cached_tokens >= 30
     untouched = generate(model, None, prompts[1], greedy, speculative=speculator(mtp))
     assert untouched.token_ids == truths[1] and untouched.usage.speculative.verify_passes > 0
+
+
+class ProposalRecorder(MTPDrafter):
+    """The MTP drafter as served, remembering each proposal: (run length, drafts, the absolute
+    position where the head's context starts)."""
+
+    def __init__(self, mtp: MTP):
+        super().__init__(mtp.target, mtp.head)
+        self.proposals: list[tuple[int, list[int], int]] = []
+
+    def propose(self, tokens, k, policy):
+        draft = super().propose(tokens, k, policy)
+        self.proposals.append((len(tokens), list(draft.tokens), self.start))
+        return draft
+
+
+def serve_recording(model, mtp: MTP, prompts, params, prefix: PrefixCache | None):
+    """Greedy requests through one engine; returns (results, each request's `ProposalRecorder`)."""
+    drafters: list[ProposalRecorder] = []
+
+    def make():
+        drafters.append(ProposalRecorder(mtp))
+        return drafters[-1]
+
+    with Engine(model, None, prefix=prefix, speculative=speculator(make)) as engine:
+        return [engine.generate(ids, params) for ids in prompts], drafters
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_after_a_prefix_cache_hit_the_head_drafts_what_it_drafts_without_one(heads, name):
+    """A follow-up extending a cached conversation, one diverging inside it and a regenerate are
+    served partly from the trie, whose nodes hold the target's hidden states: the head rebuilds its
+    context from them (it starts at position 0), so every proposal equals the one made without a
+    prefix cache; output is plain greedy and the target's reuse is what it is without speculation."""
+    model, mtp, _ = heads(name)
+    greedy = SamplingParams(temperature=0.0, max_tokens=24)
+    prompt = ids_for(37, seed=5)
+    first = generate(model, None, prompt, greedy).token_ids
+    prompts = [prompt, prompt + first + ids_for(9, seed=6), prompt[:30] + ids_for(12, seed=7), prompt]
+    got, cached = serve_recording(model, mtp, prompts, greedy, PrefixCache(model))
+    reference, fresh = serve_recording(model, mtp, prompts, greedy, None)
+    with Engine(model, None, prefix=PrefixCache(model)) as engine:
+        plain_reuse = [engine.generate(ids, greedy).usage.cached_tokens for ids in prompts]
+    assert [r.usage.cached_tokens for r in got] == plain_reuse
+    assert all(reuse >= 30 for reuse in plain_reuse[1:])
+    for ids, a, b, ours, theirs in zip(prompts, got, reference, cached, fresh, strict=True):
+        same_output(a, generate(model, None, ids, greedy))
+        same_output(a, b)
+        assert ours.proposals and all(start == 0 for _, _, start in ours.proposals)
+        assert [p[:2] for p in ours.proposals] == [p[:2] for p in theirs.proposals]
 
 
 def test_stop_rules_inside_drafts_match_plain_decoding(demo_mtp):

@@ -360,28 +360,32 @@ class Engine:
             session = running.session = self.prefix.begin(ids, draft=running.speculation is not None)
             caches, start = session.caches, session.offset
         if running.speculation is not None:
-            running.speculation.attach(caches, session.draft if session is not None else None)
+            running.speculation.attach(caches, session)
         logits = None
         for pos in range(start, len(ids), self.prefill_chunk):
             if running.request.cancelled:
                 return caches, None, start
             piece = ids[pos : pos + self.prefill_chunk]
             logits = self._forward(running, caches, piece, pos)
-            if session is not None:
-                session.advance(piece)
         return caches, logits, start
 
     def _forward(
         self, running: _Running, caches: list[LayerCache | None], ids: list[int], offset: int
     ) -> torch.Tensor:
-        """[1, V] logits after running `ids` at `offset` through the target on the committed path; a
-        drafter that reads the target's hidden states is handed them."""
+        """[1, V] logits after running `ids` at `offset` through the target on the committed path,
+        recorded in the prefix-cache session; a drafter that reads the target's hidden states is
+        handed them (and the session keeps them for one that resumes from them)."""
         batch = Batch.single(ids, offset=offset, device=self.model.device)
         spec = running.speculation
+        hidden = None
         if spec is None or not spec.reads_hidden:
-            return self.model(batch, caches)
-        logits, hidden = self.model(batch, caches, hidden=spec.hidden_rows)
-        spec.observe(offset, ids, hidden[0])
+            logits = self.model(batch, caches)
+        else:
+            logits, hidden = self.model(batch, caches, hidden=spec.hidden_rows)
+            hidden = hidden[0]
+            spec.observe(offset, ids, hidden)
+        if running.session is not None:
+            running.session.advance(ids, hidden if spec is not None and spec.keeps_hidden else None)
         return logits
 
     def _advance(self, running: _Running) -> Event:
@@ -403,8 +407,6 @@ class Engine:
             token = running.output_ids[-1]
             running.logits = self._forward(running, running.caches, [token], running.position)
             running.position += 1
-            if running.session is not None:
-                running.session.advance([token])
             if running.speculation is not None:
                 event = self._next_token(running)
                 running.speculation.observe_plain(time.perf_counter() - t0)
@@ -453,7 +455,7 @@ class Engine:
         result = spec.verify(self.model, running.caches, draft, running.position, policy, emit)
         running.position = result.offset
         if running.session is not None:
-            running.session.advance(result.committed)
+            running.session.advance(result.committed, result.hidden if spec.keeps_hidden else None)
         if ended:
             reason, stop_reason = ended[0]
             return self._finish(running, reason, stop_reason, tuple(tokens), "".join(texts), tuple(logprobs))

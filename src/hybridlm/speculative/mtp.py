@@ -18,7 +18,10 @@ draft is fed again, with the target's hidden state), so the next report rewinds 
 Context: the head's positions start at the first target hidden state it was given — position 0,
 or after a prefix-cache hit the first recomputed position, for the target never recomputes a
 restored prefix. The head then attends only from there on; its cache counts positions from that
-start (rotary attention depends only on distances, so the shift changes nothing else).
+start (rotary attention depends only on distances, so the shift changes nothing else). When the
+prefix cache stored the target's hidden states of the restored prefix (`Session.hidden`), `resume`
+rebuilds the head's context from them instead: positions [0, t-1) fed in a few batched head
+forwards, h_{t-1} pending, exactly the state reports of those positions would have left.
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ from hybridlm.models.base import CausalLM
 from hybridlm.models.mtp import MTPHead, load_mtp_head
 from hybridlm.speculative.base import Draft, HiddenStateDrafter, TargetPolicy, draw
 from hybridlm.speculative.verify import commit_caches
+
+# Head positions per forward when `resume` rebuilds a restored prefix's context (bounds its memory).
+RESUME_CHUNK = 2048
 
 
 class MTP:
@@ -86,6 +92,20 @@ class MTPDrafter(HiddenStateDrafter):
         if tokens:
             self._step(tokens, hidden[:-1], self.start + self.fed)
             self.fed += len(tokens)
+        self.pending = hidden[-1:]
+
+    @torch.no_grad()
+    def resume(self, tokens: list[int], hidden: torch.Tensor) -> None:
+        """Take up the context of a restored prefix before the first report: tokens: the t tokens
+        the target's caches were restored to; hidden: [t, d] the target's hidden states there."""
+        if len(hidden) != len(tokens) or not tokens:
+            raise ValueError(f"{len(hidden)} hidden states for a prefix of {len(tokens)} tokens")
+        self.cache.free()
+        self.start, self.fed, self.pending = 0, 0, None
+        for at in range(0, len(tokens) - 1, RESUME_CHUNK):
+            end = min(at + RESUME_CHUNK, len(tokens) - 1)
+            self._step(tokens[at + 1 : end + 1], hidden[at:end], at)
+            self.fed = end
         self.pending = hidden[-1:]
 
     @torch.no_grad()

@@ -14,6 +14,7 @@ from hybridlm.cache.base import LayerCache
 from hybridlm.speculative.base import Draft, Drafter, HiddenStateDrafter, TargetCacheDrafter, TargetPolicy
 from hybridlm.speculative.controller import DepthController
 from hybridlm.speculative.draft import DraftModelDrafter
+from hybridlm.speculative.mtp import MTPDrafter
 from hybridlm.speculative.verify import Emit, VerifyResult, verify_and_commit
 
 if TYPE_CHECKING:
@@ -79,7 +80,7 @@ class RequestSpeculation:
     (None: decode plainly this step and report the time with `observe_plain`), then `verify`s it.
     When `reads_hidden`, the engine also hands every other committed target forward (prefill chunks,
     plain steps) to `observe`, with the rows `hidden_rows` asks for; `verify` reports its own. Before
-    the request's first target forward the engine hands its live caches (and a prefix-cache draft
+    the request's first target forward the engine hands its live caches (and its prefix-cache
     session, if any) to `attach`."""
 
     def __init__(self, owner: Speculator, prompt_ids: list[int], reproducible: bool = False):
@@ -97,17 +98,28 @@ class RequestSpeculation:
         return isinstance(self.drafter, HiddenStateDrafter)
 
     @property
+    def keeps_hidden(self) -> bool:
+        """The drafter rebuilds its context from the stored hidden states of a restored prefix (an
+        MTP head): the prefix-cache session should store every committed position's."""
+        return isinstance(self.drafter, MTPDrafter)
+
+    @property
     def hidden_rows(self) -> str:
         """The hidden states each report carries: "all" or "last" (see `HiddenStateDrafter`)."""
         return self.drafter.hidden_rows
 
-    def attach(self, caches: Sequence[LayerCache | None], draft: Session | None = None) -> None:
+    def attach(self, caches: Sequence[LayerCache | None], session: Session | None = None) -> None:
         """The request's live target caches, for a drafter that reads them (`TargetCacheDrafter`),
-        and the prefix cache's draft session, for a draft model that resumes from it."""
+        and its prefix-cache session: a draft model resumes from the draft session, an MTP head
+        from the stored hidden states of the restored prefix."""
         if isinstance(self.drafter, TargetCacheDrafter):
             self.drafter.attach(caches)
-        if draft is not None and isinstance(self.drafter, DraftModelDrafter):
-            self.drafter.resume(draft)
+        if session is None:
+            return
+        if session.draft is not None and isinstance(self.drafter, DraftModelDrafter):
+            self.drafter.resume(session.draft)
+        if session.hidden is not None and isinstance(self.drafter, MTPDrafter):
+            self.drafter.resume(session.fed[: session.cached], session.hidden)
 
     def observe(self, offset: int, tokens: list[int], hidden: torch.Tensor) -> None:
         """The target was fed `tokens` at committed positions offset … offset+L-1; hidden: [L, d] its
