@@ -2,7 +2,8 @@
 the published structure run by transformers' modules in float64 (tests/oracles/mtp.py), also when
 its context starts after a prefix-cache hit; speculative greedy decoding with it equals plain greedy
 decoding, in the engine too (prefix-cache hits, stop strings, stop ids and max_tokens inside drafts);
-after a prefix-cache hit the head drafts exactly what it drafts without a prefix cache;
+resuming from stored hidden states equals observing them, so after a prefix-cache hit the head drafts
+exactly what it drafts without a prefix cache;
 after accept / reject / plain-step patterns the target's caches equal a plain run and the head's
 cache equals a head fed the plain run from scratch; a checkpoint or family without a head is refused
 with a clear error."""
@@ -179,6 +180,25 @@ def test_engine_with_prefix_cache_hits_matches_plain_decoding(heads, name):
     assert results[2].usage.cached_tokens >= 30
     untouched = generate(model, None, prompts[1], greedy, speculative=speculator(mtp))
     assert untouched.token_ids == truths[1] and untouched.usage.speculative.verify_passes > 0
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_resuming_from_stored_hidden_states_equals_observing_them(heads, name, monkeypatch):
+    """`resume` over t restored positions (in several head forwards) leaves the head's cache, its
+    pending hidden state and its next proposal as reports of those positions do."""
+    model, mtp, _ = heads(name)
+    monkeypatch.setattr("hybridlm.speculative.mtp.RESUME_CHUNK", 7)
+    run = ids_for(30, seed=9)
+    t = 23
+    hidden = model(Batch.single(run[:t]), model.make_caches(1), hidden="all")[1][0]
+    resumed, observed = mtp(), mtp()
+    resumed.resume(run[:t], hidden)
+    observed.observe(0, run[:t], hidden)
+    assert (resumed.start, resumed.fed, resumed.known) == (observed.start, observed.fed, observed.known)
+    for ours, theirs in zip(resumed.cache.rows(0, t - 1), observed.cache.rows(0, t - 1), strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
+    greedy = TargetPolicy()
+    assert resumed.propose(run[: t + 1], 4, greedy).tokens == observed.propose(run[: t + 1], 4, greedy).tokens
 
 
 class ProposalRecorder(MTPDrafter):
