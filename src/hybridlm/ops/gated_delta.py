@@ -371,7 +371,10 @@ static void step_cols(float* S, int64_t ld, int64_t Dk, int64_t jb, const float*
 }
 
 static void copy_cols(float* dst, const float* S, int64_t j0, int64_t jb, int64_t Dk, int64_t Dv) {
-    for (int64_t i = 0; i < Dk; i++) memcpy(dst + i * Dv + j0, S + i * Dv + j0, jb * sizeof(float));
+    if (jb == JB)  /* a constant size: two vector moves per row instead of a memcpy call */
+        for (int64_t i = 0; i < Dk; i++) memcpy(dst + i * Dv + j0, S + i * Dv + j0, JB * sizeof(float));
+    else
+        for (int64_t i = 0; i < Dk; i++) memcpy(dst + i * Dv + j0, S + i * Dv + j0, jb * sizeof(float));
 }
 
 /* x [B, L, 2*Hk*Dk + Hv*Dv] conv output (q | k | v), ab [B, L, 2*Hv] raw gate inputs (a | b),
