@@ -73,3 +73,13 @@ def test_seeded_requests_decide_from_their_own_outcomes_only():
         simulate(controller, 50, acceptance=noise_seed / 3, verify_cost=lambda n, s=noise_seed: s + n)
         runs.append(simulate(controller, 80, 0.7, lambda n: 1.0, seed=9, state=controller.start(True)))
     assert runs[0] == runs[1]
+
+
+def test_one_slow_verify_pass_does_not_keep_the_controller_shallow():
+    """A spike (a first use, a busy moment) at the best depth must not make it avoid that depth."""
+    controller = DepthController(max_depth=8)
+    state = controller.start()
+    spiked = iter([True])
+    cost = lambda n: (5.0 if n == 8 and next(spiked, False) else 1.0) + 0.05 * n  # noqa: E731
+    depths = simulate(controller, 60, acceptance=1.0, verify_cost=cost, state=state)
+    assert depths[-40:] == [8] * 40

@@ -5,8 +5,9 @@ speculation does not pay, probing now and then in case it starts to.
 Model. With per-position acceptance probability a, a round drafting n tokens commits
 E(n) = 1 + a + … + a^n tokens on average (the accepted prefix plus the target's own token) and
 costs V(n) + n·c: a verify forward over n + 1 tokens (V(0) is a plain decode step) plus drafting.
-The controller maximises E(n) / (V(n) + n·c) over n = 0 … limit. V is learned per depth (moving
-averages of measured seconds, interpolated / extrapolated linearly between measured depths); c,
+The controller maximises E(n) / (V(n) + n·c) over n = 0 … limit. V is learned per depth (typical
+measured seconds, robust to one-off spikes; interpolated / extrapolated linearly between measured
+depths); c,
 the drafter's seconds per draft token, likewise; a per request (seeded by the rate across
 requests, which it also feeds).
 """
@@ -34,16 +35,26 @@ class Rate:
         self.trials = self.decay * self.trials + trials
 
 
+# Samples after which a depth's own measurement is trusted over what the other depths predict.
+TRUSTED_SAMPLES = 3
+
+
 @dataclass
-class Mean:
-    """Exponential moving average of a measurement (seconds); None until the first sample."""
+class Cost:
+    """A timing's typical value (seconds); None until the first sample. A faster sample is taken at
+    once, a slower one moves the estimate up by `weight` of the difference: on a shared machine
+    noise only ever adds time, and one spike (a first use, a busy moment) at a rarely chosen depth
+    would otherwise keep the controller away from that depth for a long time."""
 
     weight: float
     value: float | None = None
     count: int = 0
 
     def add(self, x: float) -> None:
-        self.value = x if self.value is None else self.value + self.weight * (x - self.value)
+        if self.value is None or x < self.value:
+            self.value = x
+        else:
+            self.value += self.weight * (x - self.value)
         self.count += 1
 
 
@@ -77,7 +88,8 @@ class DepthController:
     this many speculative rounds one draft token more than the best is tried, so that a depth whose
     cost was once mismeasured (a busy machine) is measured again. request_decay /
     global_decay: per-round decay of a request's / the cross-request acceptance counts (memory of
-    about 1 / (1 - decay) rounds). cost_weight: moving-average weight of each timing.
+    about 1 / (1 - decay) rounds). cost_weight: how far a slower timing moves a cost estimate up
+    (a faster one replaces it).
     """
 
     max_depth: int = 8
@@ -89,16 +101,16 @@ class DepthController:
     explore_every: int = 16
     request_decay: float = 0.9
     global_decay: float = 0.98
-    cost_weight: float = 0.2
-    _verify: dict[int, Mean] = field(init=False, repr=False)  # seconds per verify pass, by depth
-    _draft: Mean = field(init=False, repr=False)  # drafter seconds per draft token
+    cost_weight: float = 0.1
+    _verify: dict[int, Cost] = field(init=False, repr=False)  # seconds per verify pass, by depth
+    _draft: Cost = field(init=False, repr=False)  # drafter seconds per draft token
     _global: Rate = field(init=False, repr=False)  # acceptance across requests
 
     def __post_init__(self) -> None:
         if self.max_depth < 1:
             raise ValueError(f"max_depth must be >= 1, got {self.max_depth}")
         self._verify = {}
-        self._draft = Mean(self.cost_weight)
+        self._draft = Cost(self.cost_weight)
         self._global = Rate(self.prior_acceptance * 4, 4.0, self.global_decay)
 
     @property
@@ -120,10 +132,20 @@ class DepthController:
 
     def verify_seconds(self, n: int) -> float:
         """Estimated seconds of a verify pass with n draft tokens (n = 0: a plain step), in the
-        units of the measurements (1.0 for a plain step before any)."""
+        units of the measurements (1.0 for a plain step before any). A depth measured fewer than
+        `TRUSTED_SAMPLES` times is estimated at most at what the other depths predict, so a spike
+        there is tried again (and replaced by a faster sample) rather than avoided for good."""
         known = {d: m.value for d, m in self._verify.items()}
         if n in known:
-            return known[n]
+            others = {d: v for d, v in known.items() if d != n}
+            if self._verify[n].count >= TRUSTED_SAMPLES or len(others) < 2:
+                return known[n]
+            return min(known[n], self._predict(others, n))
+        return self._predict(known, n)
+
+    def _predict(self, known: dict[int, float], n: int) -> float:
+        """Seconds at depth n from the measured depths `known`: linear between the nearest ones,
+        extrapolated along the fitted slope beyond them."""
         if not known:
             return 1.0 + self.cost_slope * n
         below = [d for d in known if d < n]
@@ -179,7 +201,7 @@ class DepthController:
 
     def observe_plain(self, seconds: float) -> None:
         """A plain decode step took `seconds`."""
-        self._verify.setdefault(0, Mean(self.cost_weight)).add(seconds)
+        self._verify.setdefault(0, Cost(self.cost_weight)).add(seconds)
 
     def observe_round(
         self,
@@ -195,5 +217,5 @@ class DepthController:
         rejection or a stop), the first `accepted` were accepted."""
         state.acceptance.update(accepted, judged)
         self._global.update(accepted, judged)
-        self._verify.setdefault(drafted, Mean(self.cost_weight)).add(verify_seconds)
+        self._verify.setdefault(drafted, Cost(self.cost_weight)).add(verify_seconds)
         self._draft.add(draft_seconds / drafted)
