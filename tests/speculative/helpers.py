@@ -6,7 +6,8 @@ from __future__ import annotations
 import random
 
 from hybridlm.batch import Batch
-from hybridlm.engine import Engine
+from hybridlm.engine import Engine, SamplingParams
+from hybridlm.prefix.cache import PrefixCache
 from hybridlm.speculative import Draft, Drafter, Speculator, TargetPolicy, verify_and_commit
 from hybridlm.speculative.base import TargetCacheDrafter
 from hybridlm.speculative.controller import DepthController
@@ -133,3 +134,25 @@ def hidden_greedy(model, prompt: list[int], n: int, drafter, seed: int = 0, star
         offset = result.offset
         out += result.tokens
     return out, caches
+
+
+def prefix_hit_scenario(model, record):
+    """Three greedy requests through an engine with a prefix cache and speculation: a first prompt,
+    one extending it with its own output (and more), one diverging inside it. `record(prompt,
+    truth, i)` makes request i's drafter, told its prompt and plain greedy output. Returns
+    (prompts, truths, results, drafters)."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=30)
+    prompt = ids_for(37, seed=5)
+    first = generate(model, None, prompt, greedy).token_ids
+    prompts = [prompt, prompt + first + ids_for(9, seed=6), prompt[:30] + ids_for(12, seed=7)]
+    truths = [generate(model, None, ids, greedy).token_ids for ids in prompts]
+    drafters = []
+
+    def make():
+        i = len(drafters)
+        drafters.append(record(prompts[i], truths[i], i))
+        return drafters[-1]
+
+    with Engine(model, None, prefix=PrefixCache(model), speculative=speculator(make)) as engine:
+        results = [engine.generate(ids, greedy) for ids in prompts]
+    return prompts, truths, results, drafters

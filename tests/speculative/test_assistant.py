@@ -26,7 +26,6 @@ from hybridlm.engine import Engine, SamplingParams
 from hybridlm.models import load_model
 from hybridlm.models.gemma4 import Gemma4
 from hybridlm.models.tokenizer import Tokenizer
-from hybridlm.prefix.cache import PrefixCache
 from hybridlm.server.app import create_app
 from hybridlm.speculative import (
     Assistant,
@@ -44,6 +43,7 @@ from tests.speculative.helpers import (
     hidden_prefill,
     ids_for,
     plain_greedy,
+    prefix_hit_scenario,
     same_output,
     speculator,
 )
@@ -196,27 +196,15 @@ def test_engine_with_prefix_cache_hits_matches_plain_decoding(pairs):
     as without speculation, and the assistant's drafts after a restore are transformers'."""
     p = pairs()
     model, assistant, hf = p.target, p.assistant, p.hf
-    greedy = SamplingParams(temperature=0.0, max_tokens=30)
-    prompt = ids_for(37, seed=5)
-    first = generate(model, None, prompt, greedy).token_ids
-    prompts = [prompt, prompt + first + ids_for(9, seed=6), prompt[:30] + ids_for(12, seed=7)]
-    truths = [generate(model, None, ids, greedy).token_ids for ids in prompts]
-    drafters: list[RecordingAssistantDrafter] = []
-    own = list(zip(prompts, truths, strict=True))
-
-    def make():
-        ids, truth = own[len(drafters)]
-        drafters.append(RecordingAssistantDrafter(assistant, ids, truth, wrong=0.3, seed=len(drafters)))
-        return drafters[-1]
-
-    with Engine(model, None, prefix=PrefixCache(model), speculative=speculator(make)) as engine:
-        results = [engine.generate(ids, greedy) for ids in prompts]
+    record = lambda ids, truth, i: RecordingAssistantDrafter(assistant, ids, truth, wrong=0.3, seed=i)  # noqa: E731
+    prompts, truths, results, drafters = prefix_hit_scenario(model, record)
     for got, truth, drafter in zip(results, truths, drafters, strict=True):
         assert got.token_ids == truth
         assert got.usage.speculative.accepted_tokens > 0
         assert_drafts_are_transformers(hf, drafter.proposals[:3])
-    assert results[1].usage.cached_tokens >= len(prompt) + len(first) - 1
+    assert results[1].usage.cached_tokens >= len(prompts[1]) - 9 - 1
     assert results[2].usage.cached_tokens >= 30 > WINDOW
+    greedy = SamplingParams(temperature=0.0, max_tokens=30)
     untouched = generate(model, None, prompts[1], greedy, speculative=speculator(assistant))
     assert untouched.token_ids == truths[1] and untouched.usage.speculative.verify_passes > 0
 

@@ -34,6 +34,7 @@ from tests.speculative.helpers import (
     hidden_prefill,
     ids_for,
     plain_greedy,
+    prefix_hit_scenario,
     same_output,
     speculator,
 )
@@ -157,27 +158,15 @@ def test_engine_with_prefix_cache_hits_matches_plain_decoding(heads, name):
     diverging inside it (both served partly from the cache) decode exactly as without speculation;
     the target reports hidden states from the first position it recomputed."""
     model, mtp, _ = heads(name)
-    greedy = SamplingParams(temperature=0.0, max_tokens=30)
-    prompt = ids_for(37, seed=5)
-    first = generate(model, None, prompt, greedy).token_ids
-    prompts = [prompt, prompt + first + ids_for(9, seed=6), prompt[:30] + ids_for(12, seed=7)]
-    truths = [generate(model, None, ids, greedy).token_ids for ids in prompts]
-    drafters: list[RecordingMTPDrafter] = []
-    own = list(zip(prompts, truths, strict=True))
-
-    def make():
-        ids, truth = own[len(drafters)]
-        drafters.append(RecordingMTPDrafter(mtp, ids, truth, wrong=0.3, seed=len(drafters)))
-        return drafters[-1]
-
-    with Engine(model, None, prefix=PrefixCache(model), speculative=speculator(make)) as engine:
-        results = [engine.generate(ids, greedy) for ids in prompts]
+    record = lambda ids, truth, i: RecordingMTPDrafter(mtp, ids, truth, wrong=0.3, seed=i)  # noqa: E731
+    prompts, truths, results, drafters = prefix_hit_scenario(model, record)
     for got, truth, drafter in zip(results, truths, drafters, strict=True):
         assert got.token_ids == truth
         assert got.usage.speculative.accepted_tokens > 0
         assert drafter.observed[0][0] == got.usage.cached_tokens
-    assert results[1].usage.cached_tokens >= len(prompt) + len(first) - 1
+    assert results[1].usage.cached_tokens >= len(prompts[1]) - 9 - 1
     assert results[2].usage.cached_tokens >= 30
+    greedy = SamplingParams(temperature=0.0, max_tokens=30)
     untouched = generate(model, None, prompts[1], greedy, speculative=speculator(mtp))
     assert untouched.token_ids == truths[1] and untouched.usage.speculative.verify_passes > 0
 
