@@ -65,6 +65,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
 
 
+def add_bench_args(p: argparse.ArgumentParser) -> None:
+    """The options every benchmark takes: its thread count and a JSON copy of its report."""
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument("--json", default=None, help="also write the report as JSON to this file")
+
+
 def byte_size(text: str) -> int:
     """'4G', '512MiB', '1.5GB', '1000000' -> bytes (binary multiples for K/M/G/T)."""
     units = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
@@ -509,8 +515,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--prefill", type=int, nargs="+", default=[512, 2048], help="prefill lengths (default 512 2048)"
     )
     f.add_argument("--decode", type=int, default=32, help="decode steps to time (default 32)")
-    f.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
-    f.add_argument("--json", default=None, help="also write the report as JSON to this file")
+    add_bench_args(f)
     f.set_defaults(func=cmd_bench_forward)
 
     v = bench.add_parser(
@@ -524,9 +529,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(v)
     v.add_argument("--prompt-tokens", type=int, default=512, help="prompt length in tokens (default 512)")
     v.add_argument("--max-tokens", type=int, default=128, help="tokens generated per request (default 128)")
-    v.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     v.add_argument("--repeats", type=int, default=5, help="requests per side, alternating (default 5)")
-    v.add_argument("--json", default=None, help="also write the report as JSON to this file")
+    add_bench_args(v)
     v.set_defaults(func=cmd_bench_serve)
 
     m = bench.add_parser(
@@ -547,8 +551,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--gen", type=int, default=16, help="tokens generated per turn (default 16)")
     m.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per forward (default 512)")
     m.add_argument("--seed", type=int, default=0, help="trace seed (default 0)")
-    m.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
-    m.add_argument("--json", default=None, help="also write the report as JSON to this file")
+    add_bench_args(m)
     m.set_defaults(func=cmd_bench_multiturn)
 
     r = bench.add_parser(
@@ -568,8 +571,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     r.add_argument("--tokens", type=int, default=2048, help="prefix length (default 2048)")
     r.add_argument("--cadence", type=int, default=256, help="restore point spacing (default 256, as served)")
-    r.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
-    r.add_argument("--json", default=None, help="also write the report as JSON to this file")
+    add_bench_args(r)
     r.set_defaults(func=cmd_bench_restore)
 
     sp = bench.add_parser(
@@ -603,8 +605,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sp.add_argument("--tokens", type=int, default=128, help="tokens decoded per run (default 128)")
     sp.add_argument("--repeats", type=int, default=3, help="runs per mode, interleaved (default 3)")
-    sp.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
-    sp.add_argument("--json", default=None, help="also write the report as JSON to this file")
+    add_bench_args(sp)
     sp.set_defaults(func=cmd_bench_speculative)
     return parser
 
