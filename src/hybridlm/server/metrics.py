@@ -38,6 +38,12 @@ def _labels(**labels) -> str:
     return "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items()) + "}"
 
 
+def _series(lines: list[str], kind: str, name: str, help_text: str, samples) -> None:
+    """One metric family: its HELP and TYPE lines, then a line per (labels dict, value) sample."""
+    lines += [f"# HELP {PREFIX}{name} {help_text}", f"# TYPE {PREFIX}{name} {kind}"]
+    lines += [f"{PREFIX}{name}{_labels(**labels)} {value}" for labels, value in samples]
+
+
 def _histogram(lines: list[str], name: str, help_text: str, h: Histogram) -> None:
     lines += [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
     for bound, count in zip((*h.buckets, float("inf")), h.cumulative(), strict=True):
@@ -86,11 +92,7 @@ def render(engine: Engine, http: HTTPStats, model_name: str) -> str:
     for reason in sorted(set(finished) | {"stop", "length", "cancelled", "error"}):
         lines.append(f"{PREFIX}requests_finished_total{_labels(reason=reason)} {finished.get(reason, 0)}")
     for name, (help_text, value) in tokens.items():
-        lines += [
-            f"# HELP {PREFIX}{name} {help_text}",
-            f"# TYPE {PREFIX}{name} counter",
-            f"{PREFIX}{name} {value}",
-        ]
+        _series(lines, "counter", name, help_text, [({}, value)])
     gauges = {
         "queue_depth": ("Requests waiting to be scheduled.", engine.queue_depth),
         "requests_running": ("Requests being prefilled or decoded.", engine.num_running),
@@ -98,11 +100,7 @@ def render(engine: Engine, http: HTTPStats, model_name: str) -> str:
         "context_length": ("Most tokens per request.", engine.context_length),
     }
     for name, (help_text, value) in gauges.items():
-        lines += [
-            f"# HELP {PREFIX}{name} {help_text}",
-            f"# TYPE {PREFIX}{name} gauge",
-            f"{PREFIX}{name} {value}",
-        ]
+        _series(lines, "gauge", name, help_text, [({}, value)])
     for name, h in histograms.items():
         _histogram(lines, PREFIX + name, _HISTOGRAM_HELP[name], h)
     if engine.prefix is not None:
@@ -154,8 +152,7 @@ def _prefix_cache(lines: list[str], prefix) -> None:
     }
     for kind, table in (("gauge", gauges), ("counter", counters)):
         for name, (help_text, samples) in table.items():
-            lines += [f"# HELP {PREFIX}{name} {help_text}", f"# TYPE {PREFIX}{name} {kind}"]
-            lines += [f"{PREFIX}{name}{_labels(**labels)} {value}" for labels, value in samples]
+            _series(lines, kind, name, help_text, samples)
 
 
 def _speculative(lines: list[str], speculator) -> None:
@@ -168,14 +165,7 @@ def _speculative(lines: list[str], speculator) -> None:
         "speculative_verify_passes_total": ("Target forwards that verified a draft.", totals.verify_passes),
     }
     for name, (help_text, value) in counters.items():
-        lines += [
-            f"# HELP {PREFIX}{name} {help_text}",
-            f"# TYPE {PREFIX}{name} counter",
-            f"{PREFIX}{name} {value}",
-        ]
-    name = f"{PREFIX}speculative_acceptance_rate"
-    lines += [
-        f"# HELP {name} Recent per-position draft acceptance rate across requests (controller estimate).",
-        f"# TYPE {name} gauge",
-        f"{name} {speculator.controller.acceptance!r}",
-    ]
+        _series(lines, "counter", name, help_text, [({}, value)])
+    help_text = "Recent per-position draft acceptance rate across requests (controller estimate)."
+    rate = repr(speculator.controller.acceptance)
+    _series(lines, "gauge", "speculative_acceptance_rate", help_text, [({}, rate)])
