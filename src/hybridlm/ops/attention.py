@@ -40,9 +40,6 @@ static inline f32x16 load16(const void* p, int bf16) {
     } else memcpy(&v, p, sizeof v);
     return v;
 }
-static inline float load1(const void* p, int64_t i, int bf16) {
-    return bf16 ? bf16_to_f32(((const uint16_t*)p)[i]) : ((const float*)p)[i];
-}
 static inline float hsum(f32x16 v) {
     float s = 0.f;
     for (int i = 0; i < 16; i++) s += v[i];
@@ -58,7 +55,7 @@ static inline float dot(const float* a, const void* b, int64_t D, int bf16) {
         acc += av * load16((const char*)b + i * es, bf16);
     }
     float s = hsum(acc);
-    for (; i < D; i++) s += a[i] * load1(b, i, bf16);
+    for (; i < D; i++) s += a[i] * load(b, i, bf16);
     return s;
 }
 static inline void axpy(float* y, float a, const void* x, int64_t D, int bf16) {
@@ -69,7 +66,7 @@ static inline void axpy(float* y, float a, const void* x, int64_t D, int bf16) {
         yv += a * load16((const char*)x + i * es, bf16);
         memcpy(y + i, &yv, sizeof yv);
     }
-    for (; i < D; i++) y[i] += a * load1(x, i, bf16);
+    for (; i < D; i++) y[i] += a * load(x, i, bf16);
 }
 
 /* q [B, Hq, L, D], k [B, Hkv, T, D], v [B, Hkv, T, Dv] (strides in elements, last dim contiguous),
@@ -98,7 +95,7 @@ int hybridlm_attention(const void* q, const void* k, const void* v, void* out, c
         for (int64_t r = 0; r < R; r++) {
             const int64_t h = g * rep + r / L, t = r % L;
             const int64_t qrow = b * q_sb + h * q_sh + t * q_sl;
-            for (int64_t i = 0; i < D; i++) qf[r * D + i] = load1(q, qrow + i, is_bf16);
+            for (int64_t i = 0; i < D; i++) qf[r * D + i] = load(q, qrow + i, is_bf16);
             for (int64_t i = 0; i < Dv; i++) acc[r * Dv + i] = 0.f;
             m[r] = -INFINITY;
             l[r] = 0.f;
@@ -146,7 +143,7 @@ int hybridlm_attention(const void* q, const void* k, const void* v, void* out, c
             for (int64_t i = 0; i < Dv; i++) {
                 const int64_t o = ((b * Hq + h) * L + t) * Dv + i;
                 const float y = acc[r * Dv + i] * inv;
-                if (is_bf16) ((uint16_t*)out)[o] = f32_to_bf16(y); else ((float*)out)[o] = y;
+                store(out, o, y, is_bf16);
             }
         }
         free(buf);

@@ -304,14 +304,6 @@ _GDN_SOURCE = BF16_HELPERS + r"""
 #define TB 64  /* tokens per block */
 #define JB 32  /* state columns per block */
 
-static inline float load(const void* p, int64_t i, int bf16) {
-    return bf16 ? bf16_to_f32(((const uint16_t*)p)[i]) : ((const float*)p)[i];
-}
-static inline void store(void* p, int64_t i, float v, int bf16) {
-    if (bf16) ((uint16_t*)p)[i] = f32_to_bf16(v); else ((float*)p)[i] = v;
-}
-/* torch's sigmoid on a bf16 tensor rounds its result to bf16 */
-static inline float round_like(float v, int bf16) { return bf16 ? bf16_to_f32(f32_to_bf16(v)) : v; }
 
 typedef float f32x16 __attribute__((vector_size(64)));
 static inline f32x16 ld16(const float* p) { f32x16 v; memcpy(&v, p, sizeof v); return v; }
@@ -423,7 +415,8 @@ int hybridlm_gdn_scan(const void* x, const void* ab, const void* A_log, const vo
                     const float a = load(ab, row * 2 * Hv + h, is_bf16) + load(dt_bias, h, params_bf16);
                     const float softplus = a > 20.f ? a : log1pf(expf(a));
                     const float bin = load(ab, row * 2 * Hv + Hv + h, is_bf16);
-                    const float beta = round_like(1.f / (1.f + expf(-bin)), is_bf16);
+                    /* torch's sigmoid on a bf16 tensor rounds its result to bf16 */
+                    const float beta = round_to(1.f / (1.f + expf(-bin)), is_bf16);
                     dec[t] = expf(-expf(load(A_log, h, params_bf16)) * softplus);
                     db[t] = beta * dec[t];
                     const int64_t vbase = xbase + 2 * Hk * Dk + h * Dv;

@@ -15,15 +15,11 @@ from torch import nn
 
 from hybridlm.ops.native import BF16_HELPERS, NativeKernel
 
-# mode: 0 RMSNorm `w * bf(norm)`, 1 OffsetRMSNorm `(1 + w) * norm`, 2 GatedRMSNorm
-# `bf(w * bf(norm)) * silu(gate)`; bf() rounds to the activation dtype (bf16 only), as the
+# mode: 0 RMSNorm `w * r(norm)`, 1 OffsetRMSNorm `(1 + w) * norm`, 2 GatedRMSNorm
+# `r(w * r(norm)) * silu(gate)`; r() (`round_to`) rounds to the activation dtype (bf16 only), as the
 # reference's `.to(x.dtype)` does.
 _NORM_SOURCE = BF16_HELPERS + r"""
 #include <math.h>
-static inline float load(const void* p, int64_t i, int bf16) {
-    return bf16 ? bf16_to_f32(((const uint16_t*)p)[i]) : ((const float*)p)[i];
-}
-static inline float bf(float v, int bf16) { return bf16 ? bf16_to_f32(f32_to_bf16(v)) : v; }
 
 /* x, gate, out [N, D]; w [D]; all bf16 when is_bf16, else float32. */
 void hybridlm_rms_norm(const void* x, const void* w, const void* gate, void* out, int64_t N, int64_t D,
@@ -38,13 +34,13 @@ void hybridlm_rms_norm(const void* x, const void* w, const void* gate, void* out
             float y;
             if (mode == 1) y = v * (1.f + wi);
             else {
-                y = wi * bf(v, is_bf16);
+                y = wi * round_to(v, is_bf16);
                 if (mode == 2) {
                     const float g = load(gate, base + i, is_bf16);
-                    y = bf(y, is_bf16) * (g / (1.f + expf(-g)));
+                    y = round_to(y, is_bf16) * (g / (1.f + expf(-g)));
                 }
             }
-            if (is_bf16) ((uint16_t*)out)[base + i] = f32_to_bf16(y); else ((float*)out)[base + i] = y;
+            store(out, base + i, y, is_bf16);
         }
     }
 }
