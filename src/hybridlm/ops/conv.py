@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from hybridlm.ops.native import BF16_HELPERS, FEW_TOKENS, NativeKernel, split_args
+from hybridlm.ops.native import BF16_HELPERS, FEW_TOKENS, NativeKernel, checked_splits, split_args
 
 # Few-token inputs (decode, speculative verify) run one C loop instead of a dozen small ATen ops
 # (decode) or a oneDNN convolution set up for long inputs (~1.5 ms for 9 tokens x 6144 channels).
@@ -162,9 +162,7 @@ def causal_conv1d(
                          f"got {tuple(weight.shape)} and {tuple(prior.shape)}")
     if activation not in (None, "silu"):
         raise ValueError(f"unsupported activation {activation!r}")
-    splits = [int(s) for s in splits]
-    if any(not 0 <= s <= L for s in splits) or splits != sorted(splits):
-        raise ValueError(f"splits must be sorted and within [0, {L}], got {splits}")
+    splits = checked_splits(splits, L)
 
     fused = _fused_conv(x, weight, bias, prior, activation, query_lens, splits)
     if fused is not None:

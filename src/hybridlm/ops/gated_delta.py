@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from hybridlm.ops.native import BF16_HELPERS, NativeKernel, split_args
+from hybridlm.ops.native import BF16_HELPERS, NativeKernel, checked_splits, split_args
 from hybridlm.ops.norms import l2_normalize
 
 # Measured on 2 CPU cores, 16 heads x 128 x 128, batch 1, bf16 inputs:
@@ -83,9 +83,7 @@ def gated_delta_rule(
                          f"g {tuple(g.shape)}, beta {tuple(beta.shape)}")
     if state.shape != (B, H, Dk, Dv):
         raise ValueError(f"state must be {(B, H, Dk, Dv)}, got {tuple(state.shape)}")
-    splits = [int(s) for s in splits]
-    if any(not 0 <= s <= L for s in splits) or splits != sorted(splits):
-        raise ValueError(f"splits must be sorted and within [0, {L}], got {splits}")
+    splits = checked_splits(splits, L)
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"chunk_size must be None or >= 1, got {chunk_size}")
     scale = Dk**-0.5 if scale is None else scale
@@ -509,9 +507,7 @@ def gated_delta_net_scan(
     if fn is None:
         return _composed_scan(x, ab, A_log, dt_bias, state, k_heads, k_dim, v_heads, v_dim,
                               query_lens, splits, inplace)
-    splits = [int(s) for s in splits]
-    if any(not 0 <= s <= L for s in splits) or splits != sorted(splits):
-        raise ValueError(f"splits must be sorted and within [0, {L}], got {splits}")
+    splits = checked_splits(splits, L)
     if not inplace:
         state = state.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
     x, ab = x.contiguous(), ab.contiguous()

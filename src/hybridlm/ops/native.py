@@ -140,6 +140,14 @@ class NativeKernel:
         return self._fn
 
 
+def checked_splits(splits, length: int) -> list[int]:
+    """Split points of a scan over `length` tokens as ints, checked to be sorted and in [0, length]."""
+    splits = [int(s) for s in splits]
+    if any(not 0 <= s <= length for s in splits) or splits != sorted(splits):
+        raise ValueError(f"splits must be sorted and within [0, {length}], got {splits}")
+    return splits
+
+
 def split_args(splits, bounds, query_lens) -> tuple:
     """The ctypes arguments ``(bounds, splits, nsplit, lens)`` of a scan kernel: an array of the
     boundary tensors' pointers (each its own allocation, so a stored boundary pins nothing else),
