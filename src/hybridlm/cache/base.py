@@ -103,6 +103,11 @@ class LayerCache(ABC):
         caps, self._captures, self._scheduled = self._captures, [], []
         return caps
 
+    def give_back(self, snaps: list[Snapshot]) -> None:
+        """Put captures taken with `take_snapshots` back, before any made since, for their owner to
+        take: a forward that schedules restore points of its own sets the others aside meanwhile."""
+        self._captures[:0] = snaps
+
     def _crossed(self, old: int, new: int) -> list[int]:
         """Scheduled offsets in (old, new], removed from the schedule."""
         hit = [o for o in self._scheduled if old < o <= new]

@@ -151,7 +151,7 @@ class DraftModelDrafter(Drafter):
                 self.fed.append(token)
         self._captures = [c.take_snapshots() for c in stateful]
         for c, snaps in zip(stateful, held, strict=True):
-            c._captures[:0] = snaps  # for the prefix session's close (none without one)
+            c.give_back(snaps)  # for the prefix session's close (none without one)
         return Draft(drafts, None if policy.greedy else torch.stack(rows))
 
     def _rollback(self, tokens: list[int]) -> int:

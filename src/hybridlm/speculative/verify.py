@@ -120,7 +120,7 @@ def forward_with_restore_points(
         raise
     finally:
         for c, snaps in zip(stateful, held, strict=True):
-            c._captures[:0] = snaps
+            c.give_back(snaps)
     return logits, states, captures
 
 
