@@ -223,11 +223,9 @@ def _fused_conv(x, weight, bias, prior, activation, query_lens, splits):
     tail = torch.empty(B, K - 1, C, dtype=dtype)
     bounds = [torch.empty(B, K - 1, C, dtype=dtype) for _ in splits]
     bias = None if bias is None else bias.contiguous().data_ptr()
-    status = fn(x.data_ptr(), prior.data_ptr(), weight.data_ptr(), bias, out.data_ptr(), tail.data_ptr(),
+    fn(x.data_ptr(), prior.data_ptr(), weight.data_ptr(), bias, out.data_ptr(), tail.data_ptr(),
                 *split_args(splits, bounds, query_lens), B, L, C, K, int(activation == "silu"),
                 int(dtype is torch.bfloat16), torch.get_num_threads())
-    if status != 0:
-        raise MemoryError("hybridlm conv kernel: out of memory")
     return out, tail, bounds
 
 

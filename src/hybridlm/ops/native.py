@@ -108,7 +108,8 @@ class NativeKernel:
     """One C entry point, built on first `get()` (thread-safe, at most once per process).
 
     name: library file stem; symbol: the exported function; argtypes / restype: its ctypes
-    signature; fallback: what callers do without it (named in the one warning a failed build logs).
+    signature — a C `int` result is a status (0, or -1 when out of memory: `MemoryError`);
+    fallback: what callers do without it (named in the one warning a failed build logs).
     """
 
     def __init__(self, name: str, source: str, symbol: str, argtypes: list, restype, fallback: str):
@@ -122,7 +123,14 @@ class NativeKernel:
         """Compile (or reuse the cached build) and return the entry point."""
         fn = getattr(ctypes.CDLL(str(compile_library(self.name, self.source))), self.symbol)
         fn.argtypes, fn.restype = self.argtypes, self.restype
+        if self.restype is ctypes.c_int:  # the kernels' status: 0, or -1 when out of memory
+            fn.errcheck = self._check_status
         return fn
+
+    def _check_status(self, status: int, fn, args) -> int:
+        if status != 0:
+            raise MemoryError(f"hybridlm {self.name} kernel: out of memory")
+        return status
 
     def get(self) -> ctypes._CFuncPtr | None:
         """The entry point; None when HYBRIDLM_COMPILE=0 or the build failed."""
