@@ -17,6 +17,7 @@ error) the fallback is ``F.linear`` with one logged warning.
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -220,15 +221,13 @@ KERNEL = NativeKernel(
 )
 # The same library's answer to "how many rows do you take" (MAX_FAST_ROWS or 4, see above).
 ROWS = NativeKernel("linear_bf16", _KERNEL_SOURCE, "hybridlm_linear_max_rows", [], ctypes.c_int64, "F.linear")
-_max_rows: list[int] = []
 
 
+@functools.cache
 def kernel_rows() -> int:
     """Most input rows the built kernel takes (0 without a kernel)."""
-    if not _max_rows:
-        fn = ROWS.get()
-        _max_rows.append(fn() if fn is not None and KERNEL.get() is not None else 0)
-    return _max_rows[0]
+    fn = ROWS.get()
+    return fn() if fn is not None and KERNEL.get() is not None else 0
 
 
 def fast_path_available() -> bool:
