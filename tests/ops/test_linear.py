@@ -134,7 +134,7 @@ def test_state_dict_compatible_with_nn_linear():
 def fresh_kernel(monkeypatch) -> NativeKernel:
     """An unbuilt copy of the linear kernel, installed in place of the module's."""
     k = linear_mod.KERNEL
-    kernel = NativeKernel(k.name, k.source, k.symbol, k.argtypes, k.restype, k.fallback)
+    kernel = NativeKernel(k.name, k.file, k.symbol, k.argtypes, k.restype, k.fallback)
     monkeypatch.setattr(linear_mod, "KERNEL", kernel)
     return kernel
 
