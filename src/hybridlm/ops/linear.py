@@ -25,9 +25,7 @@ from torch import nn
 
 from hybridlm.ops.native import FEW_TOKENS, NativeKernel
 
-__all__ = [
-    "MAX_FAST_ROWS", "Int8Linear", "Linear", "fast_path_available", "kernel_rows", "linear", "quantize_int8_"
-]
+__all__ = ["MAX_FAST_ROWS", "Linear", "fast_path_available", "kernel_rows", "linear"]
 
 # Most input rows the kernel takes: decode (1 row) and speculative verify (up to FEW_TOKENS). Where
 # the CPU has bf16 dot-product instructions (AVX512-BF16) a row costs one instruction per 32
@@ -129,59 +127,3 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
-
-
-class Int8Linear(nn.Module):
-    """Weight-only int8 linear: ``weight_int8`` [out, in] int8 times per-output-channel
-    ``weight_scale`` [out], plus optional ``bias`` [out]; made by ``quantize_int8_``.
-
-    On CPU it runs ``torch._weight_int8pack_mm``, which reads half a bf16 weight's bytes. That
-    kernel gives wrong bf16 results when ``in % 16 != 0`` (torch 2.13), so such shapes, and other
-    devices, dequantize the weight instead.
-    """
-
-    def __init__(self, weight_int8: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None):
-        super().__init__()
-        self.out_features, self.in_features = weight_int8.shape
-        self.register_buffer("weight_int8", weight_int8)
-        self.register_buffer("weight_scale", weight_scale)
-        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-
-    @classmethod
-    @torch.no_grad()
-    def from_linear(cls, layer: nn.Linear) -> Int8Linear:
-        """Symmetric per-row quantization: ``scale = max|w_row| / 127``, ``q = round(w / scale)``;
-        the scale keeps the weight's dtype."""
-        w = layer.weight.detach().float()
-        scale = (w.abs().amax(dim=1) / 127.0).clamp_min(torch.finfo(torch.float32).tiny)
-        q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-        bias = None if layer.bias is None else layer.bias.detach()
-        return cls(q, scale.to(layer.weight.dtype), bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., in] -> [..., out] in x's dtype."""
-        x2 = x.reshape(-1, self.in_features)
-        scale = self.weight_scale.to(x.dtype)
-        if x2.is_cpu and self.in_features % 32 == 0:
-            y = torch._weight_int8pack_mm(x2.contiguous(), self.weight_int8, scale)
-        else:
-            y = F.linear(x2, self.weight_int8.to(x.dtype)) * scale
-        if self.bias is not None:
-            y = y + self.bias
-        return y.view(*x.shape[:-1], self.out_features)
-
-    def extra_repr(self) -> str:
-        bias = self.bias is not None
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={bias}"
-
-
-def quantize_int8_(module: nn.Module) -> nn.Module:
-    """Replace every ``Linear`` inside ``module`` by its ``Int8Linear``, in place; returns
-    ``module``, or the new ``Int8Linear`` if ``module`` itself is a ``Linear``."""
-    if isinstance(module, Linear):
-        return Int8Linear.from_linear(module)
-    for child in list(module.modules()):
-        for attr, sub in list(child.named_children()):
-            if isinstance(sub, Linear):
-                setattr(child, attr, Int8Linear.from_linear(sub))
-    return module
