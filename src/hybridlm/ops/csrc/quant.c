@@ -108,11 +108,9 @@ static inline __attribute__((always_inline)) void tile_i4(const uint16_t* x, int
     for (int r = 0; r < rb; r++) for (int c = 0; c < mc; c++) out[r][c] = _mm512_reduce_add_ps(acc[r][c]);
 #undef FLUSH
 }
-#define HAVE_SIMD 1
 #else
 #define MC8 4
 #define MC4 2
-#define HAVE_SIMD 0
 /* Portable tiles: one output at a time, the same order for any rows beside it. */
 static void tile_i8(const float* xf, int64_t K, int mc, const int8_t* w, int rb, float out[RB][MC8]) {
     for (int r = 0; r < rb; r++) for (int c = 0; c < mc; c++) {
@@ -138,8 +136,6 @@ static void tile_i4(const uint16_t* x, int64_t K, int mc, const uint8_t* w, cons
     }
 }
 #endif
-
-int64_t hybridlm_quant_simd(void) { return HAVE_SIMD; }
 
 /* x [M, K] bf16, q [N, K] int8, scale [N] float32, bias [N] bf16 or NULL, y [M, N] bf16. Returns 0 or
    -1 (out of memory). */
