@@ -3,7 +3,7 @@
 The CPU decode path is dominated by per-call overhead of many tiny ATen ops and by memory-bound
 matrix-vector products; a few fused C loops (``ops.linear``, ``ops.gated_delta``) remove both. Each
 kernel is one C source with one entry point, built with ``-O3 -march=native -fopenmp`` into
-``$HYBRIDLM_CACHE_DIR/kernels`` (default ``~/.cache/hybridlm/kernels``) under a name keyed by the
+``$XDG_CACHE_HOME/hybridlm/kernels`` (default ``~/.cache/hybridlm/kernels``) under a name keyed by the
 source, compiler, flags and CPU, so a changed kernel or machine never loads a stale build.
 
 Set ``HYBRIDLM_COMPILE=0`` to disable every kernel; if one cannot be built (no compiler, build
@@ -60,8 +60,10 @@ static inline float round_to(float v, int bf16) { return bf16 ? bf16_to_f32(f32_
 
 
 def cache_dir() -> Path:
-    """``$HYBRIDLM_CACHE_DIR/kernels`` (default ``~/.cache/hybridlm``), else a per-user temp dir."""
-    base = Path(os.environ.get("HYBRIDLM_CACHE_DIR") or Path.home() / ".cache" / "hybridlm")
+    """``$XDG_CACHE_HOME/hybridlm/kernels`` (default ``~/.cache/hybridlm/kernels``), else a per-user temp
+    dir. Not under ``HYBRIDLM_CACHE_DIR``: that names the prefix cache's disk tier, whose files an
+    operator may wipe or share between models."""
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hybridlm"
     for path in (base / "kernels", Path(tempfile.gettempdir()) / f"hybridlm-{os.getuid()}"):
         try:
             path.mkdir(parents=True, exist_ok=True)

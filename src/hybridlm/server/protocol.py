@@ -8,11 +8,14 @@ built per token while streaming, where pydantic would only add cost.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+import jinja2
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from hybridlm.engine import Completion, Event, SamplingParams, TokenLogprob, Usage
 from hybridlm.models.tokenizer import Tokenizer
@@ -116,6 +119,82 @@ class CompletionRequest(_GenerationRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None
     echo: bool = False
+
+
+# Deeper JSON is refused: nothing OpenAI's shapes hold nests this far, and recursive code downstream
+# (validation, templates) must never meet a depth near Python's recursion limit.
+MAX_DEPTH = 100
+
+
+def _check_values(data: Any) -> None:
+    """Raise APIError for what JSON can carry but no handler can use: nesting deeper than MAX_DEPTH, and
+    strings with a lone UTF-16 surrogate (`"\\ud800"`: not text, the tokenizer cannot take it). Iterative,
+    so depth costs no stack."""
+    todo = [(data, 0, None)]
+    while todo:
+        value, depth, field = todo.pop()
+        if depth > MAX_DEPTH:
+            raise APIError(400, f"the request body nests deeper than {MAX_DEPTH} levels", param=field)
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                where = field or "body"
+                raise APIError(400, f"{where}: a string holds a lone UTF-16 surrogate", param=field) from None
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                name = key if depth == 0 else field
+                todo += [(key, depth + 1, name), (item, depth + 1, name)]
+        elif isinstance(value, list):
+            todo += [(item, depth + 1, field) for item in value]
+
+
+def decode_body(raw: bytes, model: type[BaseModel]) -> BaseModel:
+    """A request body as `model`, or APIError(400) naming the top-level field at fault (as OpenAI does).
+    Blocking (its cost grows with the body): handlers run it off the event loop."""
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise APIError(400, f"the request body nests deeper than {MAX_DEPTH} levels") from None
+    _check_values(data)
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        first = e.errors()[0]
+        param = str(first["loc"][0]) if first["loc"] else None  # the top-level field, as OpenAI names it
+        raise APIError(400, f"{param or 'body'}: {first['msg']}", param=param) from None
+
+
+def request_body(model: type[BaseModel]) -> dict:
+    """A route's `openapi_extra` describing its JSON body as `model` (handlers parse bodies themselves,
+    with `decode_body`, to keep OpenAI's error shape)."""
+    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+
+def openapi_schema(app) -> dict:
+    """The app's OpenAPI schema with the request models of `request_body` in its components."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for model in (ChatCompletionRequest, CompletionRequest):
+            described = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(described.pop("$defs", {}))
+            components[model.__name__] = described
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
+def chat_prompt_ids(tokenizer: Tokenizer, body: ChatCompletionRequest) -> list[int]:
+    """The prompt's token ids: the chat template's text, encoded (APIError(400) when the template
+    rejects the messages). Blocking: handlers run it off the event loop."""
+    try:
+        prompt = render_chat(tokenizer, body)
+    except (jinja2.TemplateError, ValueError, TypeError, RecursionError) as e:
+        raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
+    return tokenizer.encode(prompt)
 
 
 def render_chat(tokenizer: Tokenizer, body: ChatCompletionRequest) -> str:
