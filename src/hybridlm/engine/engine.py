@@ -149,6 +149,7 @@ class Engine:
         self._wake = threading.Condition()
         self._closed = False
         self._progress = time.monotonic()  # when the worker last finished a unit of work
+        self._failed = False  # the worker ended on an error outside any request
         keep_freed_memory()
         self._threads = torch.get_num_threads()
         self._thread = threading.Thread(target=self._loop, name="hybridlm-engine", daemon=True)
@@ -231,8 +232,8 @@ class Engine:
     def health_problem(self) -> str | None:
         """None while the engine serves; else why it cannot: its worker thread has ended, or it has
         had work for `stall_seconds` without finishing a forward pass."""
-        if not self._thread.is_alive():
-            return "engine closed" if self._closed else "engine thread dead"
+        if self._failed or not self._thread.is_alive():
+            return "engine closed" if self._closed and not self._failed else "engine thread dead"
         if (self._running or self._queue) and time.monotonic() - self._progress > self.stall_seconds:
             return "engine stalled"
         return None
@@ -274,7 +275,7 @@ class Engine:
         except Exception as e:  # a bug outside any one request: fail every request rather than hang
             log.exception("event=engine_failed")
             with self._wake:
-                self._closed = True
+                self._closed = self._failed = True
                 stranded = [*self._queue, *(r.request for r in self._running)]
                 self._queue.clear()
                 self._running.clear()
