@@ -475,7 +475,9 @@ def cmd_demo_model(args) -> int:
     try:
         print(write_demo_model(args.out))
     except OSError as e:
-        raise SystemExit(f"hybridlm: cannot write the demo model to {args.out}: {e.strerror or e}") from None
+        raise SystemExit(
+            f"hybridlm: --out {args.out}: cannot write the demo model ({e.strerror or e})"
+        ) from None
     return 0
 
 
