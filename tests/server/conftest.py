@@ -119,7 +119,7 @@ def processes(demo_dir, tmp_path_factory):
         },
         logs / "small.log",
     )
-    # Tight limits, for the hardening tests (no API key).
+    # Tight limits, for the hardening tests and the fuzzing (a short context keeps generations short).
     guarded = ServerProcess(
         [
             "--model",
@@ -132,6 +132,8 @@ def processes(demo_dir, tmp_path_factory):
             "2",
             "--max-connections",
             "4",
+            "--context-length",
+            "64",
         ],
         {},
         logs / "guarded.log",

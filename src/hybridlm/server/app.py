@@ -290,7 +290,7 @@ def create_app(
     async def openapi():
         return app.openapi()
 
-    app.openapi = lambda: openapi_schema(app)
+    app.openapi = lambda: openapi_schema(app, model_name)
     route_paths.update(route.path for route in app.routes)
     return app
 

@@ -15,9 +15,10 @@ from typing import Any, Literal
 
 import jinja2
 from fastapi.openapi.utils import get_openapi
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from hybridlm.engine import Completion, Event, SamplingParams, TokenLogprob, Usage
+from hybridlm.engine.params import MAX_LOGPROBS
 from hybridlm.models.tokenizer import Tokenizer
 
 
@@ -41,6 +42,20 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+def _documented(**schema) -> Any:
+    """A field whose OpenAPI schema states the range `SamplingParams` enforces (the check itself stays
+    there, so every endpoint words its errors alike): schema-driven clients and fuzzers then send
+    values the server takes."""
+    return Field(default=None, json_schema_extra=schema)
+
+
+_MESSAGE = {
+    "type": "object",
+    "required": ["role", "content"],
+    "properties": {"role": {"enum": ["system", "user", "assistant", "tool"]}, "content": {"type": "string"}},
+}
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
     include_usage: bool = False
@@ -54,20 +69,20 @@ class _GenerationRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    n: int | None = None
+    n: int | None = _documented(minimum=1, maximum=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    seed: int | None = None
+    max_tokens: int | None = _documented(minimum=1)
+    temperature: float | None = _documented(minimum=0, maximum=100)
+    top_p: float | None = _documented(exclusiveMinimum=0, maximum=1)
+    top_k: int | None = _documented(minimum=-1)
+    min_p: float | None = _documented(minimum=0, maximum=1)
+    presence_penalty: float | None = _documented(minimum=-2, maximum=2)
+    frequency_penalty: float | None = _documented(minimum=-2, maximum=2)
+    repetition_penalty: float | None = _documented(exclusiveMinimum=0, maximum=100)
+    seed: int | None = _documented(minimum=-(2**63), maximum=2**64 - 1)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = _documented(items={"type": "integer", "minimum": 0})
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     speculative: bool = True
@@ -104,11 +119,11 @@ class ChatCompletionRequest(_GenerationRequest):
     """`POST /v1/chat/completions`. `tools` and `chat_template_kwargs` (e.g. `enable_thinking`) are
     handed to the chat template; tool calls in the output are not parsed."""
 
-    messages: list[dict[str, Any]]
+    messages: list[dict[str, Any]] = Field(json_schema_extra={"items": _MESSAGE, "minItems": 1})
     tools: list[dict[str, Any]] | None = None
-    max_completion_tokens: int | None = None
+    max_completion_tokens: int | None = _documented(minimum=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = _documented(minimum=0, maximum=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -117,7 +132,7 @@ class CompletionRequest(_GenerationRequest):
     """`POST /v1/completions`: `prompt` is text or token ids (a one-element list of either is accepted)."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = None
+    logprobs: int | None = _documented(minimum=0, maximum=MAX_LOGPROBS)
     echo: bool = False
 
 
@@ -174,14 +189,16 @@ def request_body(model: type[BaseModel]) -> dict:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
 
 
-def openapi_schema(app) -> dict:
-    """The app's OpenAPI schema with the request models of `request_body` in its components."""
+def openapi_schema(app, model_name: str) -> dict:
+    """The app's OpenAPI schema with the request models of `request_body` in its components (`model`:
+    the one served)."""
     if app.openapi_schema is None:
         schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
         components = schema.setdefault("components", {}).setdefault("schemas", {})
         for model in (ChatCompletionRequest, CompletionRequest):
             described = model.model_json_schema(ref_template="#/components/schemas/{model}")
             components.update(described.pop("$defs", {}))
+            described["properties"]["model"] = {"anyOf": [{"const": model_name}, {"type": "null"}]}
             components[model.__name__] = described
         app.openapi_schema = schema
     return app.openapi_schema
