@@ -93,7 +93,7 @@ def test_max_body_flag(guarded):
     body = {"prompt": "a" * 70_000, "max_tokens": 1}
     assert_openai_error(httpx.post(guarded.url + COMPLETIONS, json=body), 413, None, "body_too_large")
     assert (
-        httpx.post(guarded.url + COMPLETIONS, json={"prompt": "a" * 1000, "max_tokens": 1}).status_code == 200
+        httpx.post(guarded.url + COMPLETIONS, json={"prompt": "Hello", "max_tokens": 1}).status_code == 200
     )
 
 
