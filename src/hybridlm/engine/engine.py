@@ -196,7 +196,8 @@ class Engine:
             raise InvalidParameter("stop", "stop strings need a tokenizer (this model has none)")
         if params.grammar is not None:
             if self.grammars is None:
-                raise InvalidParameter(params.grammar.param, "a grammar needs a tokenizer (this model has none)")
+                message = "a grammar needs a tokenizer (this model has none)"
+                raise InvalidParameter(params.grammar.param, message)
             self.grammars.check(params.grammar)
 
     def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[Event]:
