@@ -41,7 +41,7 @@ from hybridlm.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     Responder,
-    render_chat,
+    plan_openai_chat,
 )
 
 log = logging.getLogger(__name__)
@@ -204,7 +204,8 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
                     break
                 if event.text or event.finished or (want_logprobs and event.logprobs):
                     choice = responder.delta_choice(event, want_logprobs, text_offset)
-                    yield _json_line(responder.chunk([choice], with_usage=include_usage))
+                    if choice is not None:
+                        yield _json_line(responder.chunk([choice], with_usage=include_usage))
                     text_offset += len(event.text)
                 if event.finished and include_usage:
                     yield _json_line(responder.chunk([], usage=event.usage, with_usage=True))
@@ -249,11 +250,14 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
             body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None, renames
         )
         try:
-            prompt = render_chat(tokenizer, body)
+            plan = plan_openai_chat(tokenizer, body)
+        except InvalidParameter as e:
+            raise invalid(e, e.param) from None
         except (jinja2.TemplateError, ValueError, TypeError) as e:
             raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
-        ids = tokenizer.encode(prompt)
-        return await respond(Responder("chat", model_name, tokenizer), body, ids, params, "messages", request)
+        ids = tokenizer.encode(plan.prompt)
+        responder = Responder("chat", model_name, tokenizer, plan)
+        return await respond(responder, body, ids, plan.params(params), "messages", request)
 
     @app.post("/v1/completions", dependencies=[Depends(authorize)])
     async def completions(request: Request):
