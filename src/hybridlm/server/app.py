@@ -35,7 +35,8 @@ from hybridlm.engine import (
     SamplingParams,
 )
 from hybridlm.engine.request import CANCELLED, ERROR
-from hybridlm.server import metrics
+from hybridlm.server import anthropic, metrics, ollama
+from hybridlm.server.context import ServerContext
 from hybridlm.server.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -83,8 +84,16 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
     started = int(time.time())
 
     @app.exception_handler(APIError)
-    async def api_error(_: Request, e: APIError):
-        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+    async def api_error(request: Request, e: APIError):
+        path = request.url.path
+        # Each API answers errors in its own shape.
+        if path.startswith(anthropic.PREFIX):
+            body = anthropic.error_body(e)
+        elif path.startswith(ollama.PREFIX):
+            body = ollama.error_body(e)
+        else:
+            body = e.body()
+        return JSONResponse(body, status_code=e.status, headers=e.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException):
@@ -102,6 +111,8 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
         if api_key is None:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if "x-api-key" in request.headers:  # how Anthropic's clients send it
+            scheme, token = "bearer", request.headers["x-api-key"]
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
             raise APIError(
                 401,
@@ -282,6 +293,10 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
         return await respond(
             Responder("completion", model_name, tokenizer), body, prompt, params, "prompt", request
         )
+
+    context = ServerContext(engine, tokenizer, model_name, parse, submit, collect, authorize)
+    anthropic.register(app, context)
+    ollama.register(app, context)
 
     @app.get("/v1/models", dependencies=[Depends(authorize)])
     async def models():
