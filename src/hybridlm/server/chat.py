@@ -156,7 +156,7 @@ def plan_chat(
         message = "response_format cannot be combined with a forced tool call"
         raise InvalidParameter("response_format", message)
     prompt = tokenizer.apply_chat_template(
-        messages,
+        with_argument_objects(messages),
         tools=tool_list or None,
         add_generation_prompt=add_generation_prompt,
         **(template_kwargs or {}),
@@ -188,6 +188,31 @@ def plan_chat(
     elif body is not None:
         plan.grammar = Grammar("lark", _after_reasoning(plan, f"start: {body}\n", special), "response_format")
     return plan
+
+
+def with_argument_objects(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Assistant tool calls with their JSON-text `arguments` as objects, as vLLM hands them to
+    templates: Qwen3.5's and Gemma 4's iterate over the arguments, and the others write an object
+    with `tojson`, which spells it as json.dumps does (and as parsed calls spell it back: the
+    rendered history stays byte-stable). Text that is not a JSON object stays text."""
+    out = []
+    for message in messages:
+        calls = message.get("tool_calls") if isinstance(message, dict) else None
+        if isinstance(calls, list) and calls:
+            message = {**message, "tool_calls": [_call_with_object(c) for c in calls]}
+        out.append(message)
+    return out
+
+
+def _call_with_object(call: Any) -> Any:
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
+        return call
+    try:
+        args = json.loads(fn["arguments"])
+    except json.JSONDecodeError:
+        return call
+    return {**call, "function": {**fn, "arguments": args}} if isinstance(args, dict) else call
 
 
 def _after_reasoning(plan: ChatPlan, rules: str, special: dict[str, int]) -> str:
