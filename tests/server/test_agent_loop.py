@@ -70,7 +70,7 @@ def test_ten_turn_agent_loop_hits_the_cache_as_the_oracle_says(agent_server, dem
         {"role": "user", "content": "Find the boiling point of water."},
     ]
     stored: list[list[int]] = []
-    previous_text = None
+    previous_text, previous_prompt = None, 0
     with Engine(demo.lm, tok) as local:
         for turn in range(TURNS):
             plan = plan_chat(tok, messages, [LOOKUP], FORCED)
