@@ -124,6 +124,9 @@ def test_bad_grammars_are_invalid_parameters_naming_the_field(model32, prompt):
             with pytest.raises(InvalidParameter) as e:
                 engine.submit(prompt, SamplingParams(grammar=grammar), lambda event: None)
             assert e.value.param == grammar.param and str(e.value).startswith(grammar.param)
+        with pytest.raises(InvalidParameter) as e:
+            engine.submit(prompt, SamplingParams(grammar=GRAMMAR, ignore_eos=True), lambda event: None)
+        assert e.value.param == "ignore_eos"
         # The engine is unharmed.
         valid(engine.generate(prompt, greedy()))
 

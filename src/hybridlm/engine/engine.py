@@ -198,6 +198,8 @@ class Engine:
             if self.grammars is None:
                 message = "a grammar needs a tokenizer (this model has none)"
                 raise InvalidParameter(params.grammar.param, message)
+            if params.ignore_eos:  # a complete grammar allows nothing but EOS
+                raise InvalidParameter("ignore_eos", "ignore_eos cannot be combined with a grammar")
             self.grammars.check(params.grammar)
 
     def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[Event]:
