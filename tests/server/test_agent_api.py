@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from hybridlm.server.chat import plan_chat
-from tests.server.conftest import API_KEY, MODEL
+from tests.server.conftest import API_KEY, MODEL, ServerProcess
 
 WEATHER_PARAMS = {
     "type": "object",
@@ -60,6 +60,23 @@ GREEDY = {"temperature": 0}
 def unique(text: str) -> list[dict]:
     """A conversation no other test sent (so its cache hits are its own)."""
     return [{"role": "user", "content": f"{text} [{uuid.uuid4().hex[:8]}]"}]
+
+
+@pytest.fixture(scope="module")
+def server(demo_dir, tmp_path_factory):
+    """A server of this module's own: its prefix cache holds only these tests' conversations."""
+    process = ServerProcess(
+        ["--model", str(demo_dir), "--model-name", MODEL, "--api-key", API_KEY],
+        {},
+        tmp_path_factory.mktemp("agent-api") / "server.log",
+    ).ready()
+    yield process
+    assert process.stop() == 0, process.log.read_text()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
 
 
 @pytest.fixture(scope="module")
