@@ -13,33 +13,18 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-import jinja2
-from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
 from hybridlm.engine import InvalidParameter, SamplingParams
 from hybridlm.engine.request import CANCELLED, ERROR, LENGTH
-from hybridlm.server.chat import ChatPlan, plan_chat, read_answer, tool_result_text
+from hybridlm.server import errors
+from hybridlm.server.chat import ChatPlan, plan_and_encode, read_answer, tool_result_text
 from hybridlm.server.context import ServerContext
 from hybridlm.server.protocol import APIError, new_id
 
-PREFIX = "/v1/messages"
-
-_ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    503: "overloaded_error",
-}
-
-
-def error_body(e: APIError) -> dict[str, Any]:
-    message = f"{e.param}: {e.message}" if e.param and not e.message.startswith(e.param) else e.message
-    return {"type": "error", "error": {"type": _ERROR_TYPES.get(e.status, "api_error"), "message": message}}
+PREFIX = errors.ANTHROPIC_PREFIX
 
 
 class MessagesRequest(BaseModel):
@@ -155,19 +140,17 @@ def openai_tool_choice(choice: dict[str, Any] | None) -> tuple[Any, bool | None]
     raise InvalidParameter("tool_choice", 'tool_choice.type must be "auto", "any", "tool" or "none"')
 
 
-def plan(ctx: ServerContext, body: MessagesRequest) -> ChatPlan:
-    choice, parallel = openai_tool_choice(body.tool_choice)
-    kwargs = {}
-    if body.thinking is not None:
-        kwargs["enable_thinking"] = body.thinking.get("type") == "enabled"
+def plan(ctx: ServerContext, body: MessagesRequest) -> tuple[ChatPlan, list[int]]:
+    """The request's chat plan and prompt ids (APIError 400 naming the field). Blocking."""
     try:
-        return plan_chat(
-            ctx.tokenizer, openai_messages(body), openai_tools(body.tools), choice, parallel, None, kwargs
-        )
-    except InvalidParameter:
-        raise
-    except (jinja2.TemplateError, ValueError, TypeError) as e:
-        raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
+        choice, parallel = openai_tool_choice(body.tool_choice)
+        kwargs = {}
+        if body.thinking is not None:
+            kwargs["enable_thinking"] = body.thinking.get("type") == "enabled"
+        messages, tools = openai_messages(body), openai_tools(body.tools)
+        return plan_and_encode(ctx.tokenizer, messages, tools, choice, parallel, None, kwargs)
+    except InvalidParameter as e:
+        raise APIError(400, str(e), param=e.param) from None
 
 
 def _stop_reason(finish: str | None, stop: Any, calls: int) -> tuple[str, str | None]:
@@ -212,12 +195,13 @@ async def _events(
         yield _event("message_start", {"message": {**message, "usage": _usage(None, prompt_tokens)}})
         async for event in stream:
             if event.finish_reason == ERROR:
-                body = error_body(APIError(500, event.error or "generation failed"))
-                yield _event("error", {"error": body["error"]})
+                failure = errors.body(PREFIX, APIError(500, event.error or "generation failed"))
+                yield _event("error", {"error": failure["error"]})
                 return
             if event.finish_reason == CANCELLED:
                 yield _event(
-                    "error", {"error": error_body(APIError(503, "the request was cancelled"))["error"]}
+                    "error",
+                    {"error": errors.body(PREFIX, APIError(503, "the request was cancelled"))["error"]},
                 )
                 return
             parts = parser.feed(event.text) if event.text else []
@@ -286,7 +270,7 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
         if ctx.tokenizer is None:
             raise APIError(400, "this model has no tokenizer, so it cannot chat", param="messages")
 
-    @app.post(PREFIX, dependencies=[Depends(ctx.authorize)])
+    @app.post(PREFIX)
     async def messages(request: Request):
         body = await ctx.parse(request, MessagesRequest)
         check(body)
@@ -305,11 +289,7 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
         except InvalidParameter as e:
             name = "stop_sequences" if e.param == "stop" else e.param
             raise APIError(400, str(e), param=name) from None
-        try:
-            chat = plan(ctx, body)
-        except InvalidParameter as e:
-            raise APIError(400, str(e), param=e.param) from None
-        ids = ctx.tokenizer.encode(chat.prompt)
+        chat, ids = await ctx.offload(plan, ctx, body)
         stream = ctx.submit(ids, chat.params(params), "messages")
         message = {
             "id": new_id("msg").replace("-", "_"),
@@ -326,9 +306,11 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
-        result = await ctx.collect(stream, request)
+        result, gone = await ctx.collect(stream, request)
         if result.finish_reason == ERROR:
             raise APIError(500, result.error or "generation failed", type="api_error")
+        if result.finish_reason == CANCELLED and gone:
+            return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
         if result.finish_reason == CANCELLED:
             raise APIError(503, "the request was cancelled (server shutting down)")
         answer = read_answer(chat, result.text)
@@ -345,12 +327,9 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
         message |= {"content": content, "stop_reason": reason, "stop_sequence": sequence}
         return JSONResponse({**message, "usage": _usage(result.usage, len(ids))})
 
-    @app.post(PREFIX + "/count_tokens", dependencies=[Depends(ctx.authorize)])
+    @app.post(PREFIX + "/count_tokens")
     async def count_tokens(request: Request):
         body = await ctx.parse(request, MessagesRequest)
         check(body)
-        try:
-            chat = plan(ctx, body)
-        except InvalidParameter as e:
-            raise APIError(400, str(e), param=e.param) from None
-        return {"input_tokens": len(ctx.tokenizer.encode(chat.prompt))}
+        _, ids = await ctx.offload(plan, ctx, body)
+        return {"input_tokens": len(ids)}

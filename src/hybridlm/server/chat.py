@@ -13,6 +13,8 @@ import json
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import jinja2
+
 from hybridlm.engine import InvalidParameter, SamplingParams
 from hybridlm.engine.grammar import Grammar
 from hybridlm.models.tokenizer import Tokenizer
@@ -148,19 +150,23 @@ def plan_chat(
     add_generation_prompt: bool = True,
 ) -> ChatPlan:
     """Render and plan one chat request. Raises InvalidParameter naming the field (tools,
-    tool_choice, response_format) and jinja2 / ValueError / TypeError from the template."""
+    tool_choice, response_format; messages when the template rejects them). Blocking (rendering
+    grows with the conversation): handlers run it off the event loop."""
     functions = check_tools(tool_list)
     choice, forced = _forced_names(tool_choice, functions)
     body = response_grammar(response_format)
     if forced is not None and body is not None:
         message = "response_format cannot be combined with a forced tool call"
         raise InvalidParameter("response_format", message)
-    prompt = tokenizer.apply_chat_template(
-        with_argument_objects(messages),
-        tools=tool_list or None,
-        add_generation_prompt=add_generation_prompt,
-        **(template_kwargs or {}),
-    )
+    try:
+        prompt = tokenizer.apply_chat_template(
+            with_argument_objects(messages),
+            tools=tool_list or None,
+            add_generation_prompt=add_generation_prompt,
+            **(template_kwargs or {}),
+        )
+    except (jinja2.TemplateError, ValueError, TypeError, RecursionError) as e:
+        raise InvalidParameter("messages", f"messages: the chat template rejected them: {e}") from None
     template = tokenizer.chat_template
     template = template.get("tool_use", template.get("default")) if isinstance(template, dict) else template
     plan = ChatPlan(prompt, parallel=parallel_tool_calls is not False)
@@ -224,6 +230,12 @@ def _after_reasoning(plan: ChatPlan, rules: str, special: dict[str, int]) -> str
     close = f"<[{special[end]}]>" if end in special else lark_string(end)
     first = rules.replace("start:", "answer:", 1)
     return f'start: /[^<]{{0,{FORCED_REASONING_CHARS}}}/ {close} "\\n\\n" answer\n{first}'
+
+
+def plan_and_encode(tokenizer: Tokenizer, *args: Any, **kwargs: Any) -> tuple[ChatPlan, list[int]]:
+    """`plan_chat(tokenizer, ...)` and its prompt's token ids (blocking, like `plan_chat`)."""
+    plan = plan_chat(tokenizer, *args, **kwargs)
+    return plan, tokenizer.encode(plan.prompt)
 
 
 @dataclass(frozen=True)

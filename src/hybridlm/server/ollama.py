@@ -11,19 +11,20 @@ from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from typing import Any
 
-import jinja2
-from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
 from hybridlm import __version__
 from hybridlm.engine import InvalidParameter, SamplingParams
+from hybridlm.engine.grammar import Grammar
 from hybridlm.engine.request import CANCELLED, ERROR, LENGTH
-from hybridlm.server.chat import ChatPlan, plan_chat, read_answer, tool_result_text
+from hybridlm.server import errors
+from hybridlm.server.chat import ChatPlan, plan_and_encode, read_answer, response_grammar, tool_result_text
 from hybridlm.server.context import ServerContext
 from hybridlm.server.protocol import APIError
 
-PREFIX = "/api/"
+PREFIX = errors.OLLAMA_PREFIX
 
 # ollama option -> SamplingParams field
 _OPTIONS = {
@@ -38,11 +39,6 @@ _OPTIONS = {
     "presence_penalty": "presence_penalty",
     "frequency_penalty": "frequency_penalty",
 }
-
-
-def error_body(e: APIError) -> dict[str, Any]:
-    message = f"{e.param}: {e.message}" if e.param and not e.message.startswith(e.param) else e.message
-    return {"error": message}
 
 
 class _Request(BaseModel):
@@ -172,14 +168,24 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
         if ctx.tokenizer is None:
             raise APIError(400, "this model has no tokenizer, so it cannot take text", param=None)
 
-    def plan(messages, tools, fmt, think) -> ChatPlan:
+    def plan(messages, tools, fmt, think) -> tuple[ChatPlan, list[int]]:
+        """The chat plan and prompt ids (APIError 400 naming the field). Blocking."""
         kwargs = {"enable_thinking": think} if think is not None else {}
         try:
-            return plan_chat(ctx.tokenizer, messages, tools, None, None, response_format(fmt), kwargs)
+            return plan_and_encode(
+                ctx.tokenizer, openai_messages(messages), tools, None, None, response_format(fmt), kwargs
+            )
         except InvalidParameter as e:
             raise APIError(400, str(e), param=e.param) from None
-        except (jinja2.TemplateError, ValueError, TypeError) as e:
-            raise APIError(400, f"the chat template rejected the messages: {e}", param=None) from None
+
+    def raw_plan(prompt: str, fmt) -> tuple[ChatPlan, list[int]]:
+        """`/api/generate` with `raw`: the prompt as it is (BOS added as the checkpoint wants)."""
+        try:
+            body = response_grammar(response_format(fmt), "format")
+        except InvalidParameter as e:
+            raise APIError(400, str(e), param=e.param) from None
+        grammar = Grammar("lark", f"start: {body}\n", "format") if body is not None else None
+        return ChatPlan(prompt, grammar=grammar), ctx.tokenizer.encode(prompt, add_special_tokens=True)
 
     async def ndjson(stream, chat: ChatPlan, key: str) -> AsyncIterator[bytes]:
         """One JSON object per line; the last has done: true and the counts."""
@@ -215,9 +221,11 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
     async def answer(request: Request, stream, chat: ChatPlan, key: str, want_stream: bool):
         if want_stream:
             return StreamingResponse(ndjson(stream, chat, key), media_type="application/x-ndjson")
-        result = await ctx.collect(stream, request)
+        result, gone = await ctx.collect(stream, request)
         if result.finish_reason == ERROR:
             raise APIError(500, result.error or "generation failed", param=None)
+        if result.finish_reason == CANCELLED and gone:
+            return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
         if result.finish_reason == CANCELLED:
             raise APIError(503, "the request was cancelled (server shutting down)", param=None)
         parsed = read_answer(chat, result.text)
@@ -230,38 +238,28 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
                 body["thinking"] = parsed.reasoning
         return JSONResponse(body | _stats(result.usage, result.timings, result.finish_reason))
 
-    @app.post("/api/chat", dependencies=[Depends(ctx.authorize)])
+    @app.post("/api/chat")
     async def chat(request: Request):
         body = await ctx.parse(request, ChatRequest)
         check_model(body.model)
         need_tokenizer()
         params = sampling_params(body.options)
-        try:
-            messages = openai_messages(body.messages)
-        except InvalidParameter as e:
-            raise APIError(400, str(e), param=None) from None
-        chat_plan = plan(messages, body.tools, body.format, body.think)
-        ids = ctx.tokenizer.encode(chat_plan.prompt)
+        chat_plan, ids = await ctx.offload(plan, body.messages, body.tools, body.format, body.think)
         stream = ctx.submit(ids, chat_plan.params(params), "messages")
         return await answer(request, stream, chat_plan, "message", body.stream)
 
-    @app.post("/api/generate", dependencies=[Depends(ctx.authorize)])
+    @app.post("/api/generate")
     async def generate(request: Request):
         body = await ctx.parse(request, GenerateRequest)
         check_model(body.model)
         need_tokenizer()
         params = sampling_params(body.options)
         if body.raw:
-            chat_plan = ChatPlan(body.prompt)
-            fmt = response_format(body.format)
-            if fmt is not None:
-                chat_plan = plan([{"role": "user", "content": body.prompt}], None, body.format, body.think)
-                chat_plan.prompt = body.prompt
+            chat_plan, ids = await ctx.offload(raw_plan, body.prompt, body.format)
         else:
             messages = [{"role": "system", "content": body.system}] if body.system else []
             messages.append({"role": "user", "content": body.prompt})
-            chat_plan = plan(messages, None, body.format, body.think)
-        ids = ctx.tokenizer.encode(chat_plan.prompt, add_special_tokens=body.raw)
+            chat_plan, ids = await ctx.offload(plan, messages, None, body.format, body.think)
         stream = ctx.submit(ids, chat_plan.params(params), "prompt")
         return await answer(request, stream, chat_plan, "response", body.stream)
 
@@ -280,11 +278,11 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
             },
         }
 
-    @app.get("/api/tags", dependencies=[Depends(ctx.authorize)])
+    @app.get("/api/tags")
     async def tags():
         return {"models": [card()]}
 
-    @app.post("/api/show", dependencies=[Depends(ctx.authorize)])
+    @app.post("/api/show")
     async def show(request: Request):
         body = await ctx.parse(request, ShowRequest)
         check_model(body.model or body.name)
