@@ -64,9 +64,10 @@ def unique(text: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def server(demo_dir, tmp_path_factory):
-    """A server of this module's own: its prefix cache holds only these tests' conversations."""
+    """A server of this module's own (its prefix cache holds only these tests' conversations), in
+    float32: a request served from the cache then picks the tokens a fresh one does."""
     process = ServerProcess(
-        ["--model", str(demo_dir), "--model-name", MODEL, "--api-key", API_KEY],
+        ["--model", str(demo_dir), "--model-name", MODEL, "--api-key", API_KEY, "--dtype", "float32"],
         {},
         tmp_path_factory.mktemp("agent-api") / "server.log",
     ).ready()
