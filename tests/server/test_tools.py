@@ -11,9 +11,11 @@ import jsonschema
 import pytest
 import torch
 
+from hybridlm.engine import Event
 from hybridlm.engine.grammar import Grammar, GrammarCompiler
 from hybridlm.models.tokenizer import Tokenizer
 from hybridlm.server.chat import marker_ids, plan_chat, read_answer
+from hybridlm.server.protocol import Responder
 from hybridlm.server.tools import FORMATS, ToolCall, ToolCallStream, detect, tool_functions
 from tests.server.tool_templates import FAMILIES, family_tokenizer
 
@@ -218,3 +220,24 @@ def test_answers_split_reasoning_from_content_and_calls(tokenizer):
     hi = [{"role": "user", "content": "hi"}]
     off = plan_chat(tokenizer, hi, None, template_kwargs={"enable_thinking": False})
     assert read_answer(off, "plain").content == "plain"
+
+
+def test_openai_deltas_carry_reasoning_content_and_tool_calls(tokenizer):
+    plan = plan_chat(tokenizer, [{"role": "user", "content": "hi"}], TOOLS)
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
+    text = "<think>\nhm\n</think>\n\nOk.\n" + call
+    for cut in range(1, len(text)):
+        responder = Responder("chat", "demo", tokenizer, plan)
+        events = [Event((1,), text[:cut]), Event((2,), text[cut:], finish_reason="stop")]
+        choices = [c for e in events if (c := responder.delta_choice(e, False, 0)) is not None]
+        deltas = [c["delta"] for c in choices]
+        assert "".join(d.get("reasoning_content", "") for d in deltas) == "hm"
+        assert "".join(d.get("content", "") for d in deltas) == "Ok."
+        calls = [tc for d in deltas for tc in d.get("tool_calls", [])]
+        assert [(c["index"], c["function"]["name"]) for c in calls] == [(0, "get_weather")]
+        assert choices[-1]["finish_reason"] == "tool_calls"
+
+
+def test_tool_choice_none_leaves_calls_unparsed(tokenizer):
+    plan = plan_chat(tokenizer, [{"role": "user", "content": "hi"}], TOOLS, "none")
+    assert plan.tool_format is None and plan.grammar is None and "get_weather" in plan.prompt
