@@ -7,10 +7,11 @@ microseconds, far below the 3 ms budget (5% of a ~60 ms decode step); llguidance
 schema and also compiles Lark grammars with embedded `%json{...}` schemas, which is how forced tool
 calls are written for every tool-call format; it has no dependency but its own wheel.
 
-The mask is applied on the raw model logits before penalties' successors (temperature, top-k/p,
-min-p) and before a speculative verify pass picks each position's token (`TargetPolicy.adjust`), so
-a draft the grammar forbids is rejected and the output is exactly the non-speculative one. Logprobs
-stay those of the model's own distribution.
+The engine masks the logits a request samples from (after penalties, before temperature and the
+top-k / top-p / min-p filters), and a speculative verify pass does the same for each position
+once the tokens before it were emitted (`TargetPolicy.adjust`), so a draft the grammar forbids is
+rejected and the output is exactly the non-speculative one. Logprobs stay those of the model's
+own distribution.
 """
 
 from __future__ import annotations
