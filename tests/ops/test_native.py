@@ -35,7 +35,7 @@ def test_changed_header_rebuilds_the_kernel(tmp_path, monkeypatch):
     for f in ("norms.c", "bf16.h"):
         (tmp_path / f).write_text((CSRC / f).read_text())
     monkeypatch.setattr(native, "CSRC", tmp_path)
-    monkeypatch.setenv("HYBRIDLM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     first = compile_library("rms_norm", "norms.c")
     assert compile_library("rms_norm", "norms.c") == first
     (tmp_path / "bf16.h").write_text((CSRC / "bf16.h").read_text() + "\n/* changed */\n")
