@@ -240,7 +240,7 @@ def main(args) -> int:
     if args.decode_ms is not None:
         step_ms = args.decode_ms
     else:
-        args.model, args.device = None, None
+        args.model, args.device, args.quantize = None, None, None  # the preset as published (bf16)
         model, _, _ = load_bench_model(args)
         print("timing decode steps ...", flush=True)
         step_ms = time_decode(model, 16) * 1e3
