@@ -38,6 +38,7 @@ FEW_TOKENS = 17
 
 CSRC = Path(__file__).parent / "csrc"
 
+
 def cache_dir() -> Path:
     """``$XDG_CACHE_HOME/hybridlm/kernels`` (default ``~/.cache/hybridlm/kernels``), else a per-user temp
     dir. Not under ``HYBRIDLM_CACHE_DIR``: that names the prefix cache's disk tier, whose files an
