@@ -704,8 +704,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(quantized against bf16 weights), `grammar` (constrained decoding's mask cost beside a decode "
         "step), `serve` (the HTTP server beside the engine alone), "
         "`multiturn` (prefix-cache reuse on chat / agent traces), `restore` (restoring a cached prefix "
-        "vs recomputing it), `speculative` (speculative vs plain decoding), `grammar` (constrained "
-        "decoding's mask cost per token). Each has its own --help.",
+        "vs recomputing it), `speculative` (speculative vs plain decoding). Each has its own --help.",
     )
     bench = b.add_subparsers(dest="what", required=True)
     f = bench.add_parser(
