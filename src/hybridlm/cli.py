@@ -30,6 +30,8 @@ environment variables (a flag given on the command line wins):
   HYBRIDLM_CACHE_RAM        --cache-ram
   HYBRIDLM_CACHE_DIR        --cache-dir
   HYBRIDLM_CACHE_DISK       --cache-disk
+  HYBRIDLM_CACHE_STORE      --cache-store
+  HYBRIDLM_REPLICA          --replica
   HYBRIDLM_PREFIX_CACHE     set to 0 for --no-prefix-cache
   HYBRIDLM_SPECULATIVE      --speculative
   HYBRIDLM_DRAFT_MODEL      --draft-model
@@ -104,6 +106,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         type=byte_size,
         default=_env("HYBRIDLM_CACHE_DISK", "16G"),
         help="byte budget of --cache-dir (default 16G) [env HYBRIDLM_CACHE_DISK]",
+    )
+    p.add_argument(
+        "--cache-store",
+        default=_env("HYBRIDLM_CACHE_STORE"),
+        help="redis://HOST:PORT/DB of a Valkey / Redis server shared by replicas: prefixes missing here "
+        "are restored from it, and what this server computes is written to it [env HYBRIDLM_CACHE_STORE]",
+    )
+    p.add_argument(
+        "--replica",
+        default=_env("HYBRIDLM_REPLICA", ""),
+        help="this replica's name in --cache-store, published for a prefix-aware router "
+        "(its base URL, e.g. http://10.0.0.5:8000) [env HYBRIDLM_REPLICA]",
     )
     p.add_argument(
         "--no-prefix-cache",
@@ -237,7 +251,12 @@ def make_engine(model, args):
         # heads and n-grams keep none).
         drafter = speculative.make_drafter if speculative is not None else None
         draft = drafter.model if isinstance(drafter, DraftModel) else None
-        prefix = PrefixCache(model.lm, ram_budget=args.cache_ram, disk=disk, draft=draft)
+        store = None
+        if getattr(args, "cache_store", None):
+            from hybridlm.prefix.store import StoreTier
+
+            store = StoreTier(args.cache_store, model_fingerprint(model.lm), replica=args.replica)
+        prefix = PrefixCache(model.lm, ram_budget=args.cache_ram, disk=disk, draft=draft, store=store)
     return Engine(
         model.lm,
         model.tokenizer,

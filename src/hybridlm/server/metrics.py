@@ -153,6 +153,30 @@ def _prefix_cache(lines: list[str], prefix) -> None:
     for kind, table in (("gauge", gauges), ("counter", counters)):
         for name, (help_text, samples) in table.items():
             _series(lines, kind, name, help_text, samples)
+    if prefix.store is not None:
+        _store(lines, prefix.store.stats)
+
+
+def _store(lines: list[str], stats) -> None:
+    """The shared store tier's counters (`StoreStats`)."""
+    counters = {
+        "prefix_store_lookups_total": ("Lookups of a prompt in the shared store.", stats.lookups),
+        "prefix_store_fetched_nodes_total": ("Nodes read from the store and used.", stats.fetched_nodes),
+        "prefix_store_fetched_bytes_total": ("Bytes of entries read and used.", stats.fetched_bytes),
+        "prefix_store_writes_total": ("Nodes written to the shared store.", stats.writes),
+        "prefix_store_written_bytes_total": ("Bytes of entries written.", stats.written_bytes),
+        "prefix_store_dropped_writes_total": (
+            "Node writes dropped (queue full, store unreachable or full).",
+            stats.dropped_writes,
+        ),
+        "prefix_store_rejected_entries_total": (
+            "Entries found corrupted, truncated, another model's or evicted (deleted).",
+            stats.rejected_entries,
+        ),
+        "prefix_store_errors_total": ("Failed calls to the store server.", stats.errors),
+    }
+    for name, (help_text, value) in counters.items():
+        _series(lines, "counter", name, help_text, [({}, value)])
 
 
 def _speculative(lines: list[str], speculator) -> None:
