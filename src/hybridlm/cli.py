@@ -595,6 +595,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--system-tokens", type=int, default=256, help="shared system prompt length (default 256)")
     c.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per forward (default 512)")
     c.add_argument("--seed", type=int, default=0, help="trace seed (default 0)")
+    c.add_argument(
+        "--think-ms",
+        type=float,
+        default=100.0,
+        help="client pause between an answer and its next request (default 100; store writes are async)",
+    )
     c.add_argument("--json", default=None, help="also write the report as JSON to this file")
     c.set_defaults(func=cmd_bench_cluster)
 

@@ -11,6 +11,12 @@ rewritten tails, regenerations, edits), and what a replica stores is exactly eac
 brute-force oracle that knows every prompt served gives each request's best reuse, and prefilled
 tokens (`usage.cache.prefilled_tokens`, reported by whichever replica served it) are compared with
 the sum of (prompt − best reuse).
+
+Store writes are asynchronous (they never delay an answer): a node lands in the store some tens of
+milliseconds after its request ends (encoding and digests of MBs of snapshots). `--think-ms` is the
+client's pause between an answer and its next request (a user reading, a tool running); at 0 a
+request sent on another replica right after the previous answer can miss what that answer's
+replica has not yet written.
 """
 
 from __future__ import annotations
@@ -71,10 +77,12 @@ def oracle_minimum(requests: list[tuple[str, list[int]]]) -> int:
     return total
 
 
-def replay(deployment: Deployment, requests, model_name: str) -> dict:
+def replay(deployment: Deployment, requests, model_name: str, think_s: float) -> dict:
     prefilled = cached = 0
     t0 = time.perf_counter()
-    for prompt, ids in requests:
+    for k, (prompt, ids) in enumerate(requests):
+        if k:
+            time.sleep(think_s)
         body = {"model": model_name, "prompt": prompt, "max_tokens": 1, "temperature": 0}
         usage = post_json(f"{deployment.router_url}/v1/completions", body)["usage"]
         if usage["prompt_tokens"] != len(ids):
@@ -89,7 +97,7 @@ def replay(deployment: Deployment, requests, model_name: str) -> dict:
     return {
         "prefilled_tokens": prefilled,
         "cached_tokens": cached,
-        "seconds": seconds,
+        "seconds": seconds - think_s * (len(requests) - 1),
         "prompt_tokens_per_replica": served,
         "store_nodes_read_per_replica": fetched,
     }
@@ -121,6 +129,7 @@ def main(args) -> int:
         "model": args.model,
         "replicas": args.replicas,
         "trace": {"requests": len(requests), "seed": args.seed, "prompt_tokens": total},
+        "think_ms": args.think_ms,
         "oracle_min_prefilled_tokens": minimum,
         "runs": {},
     }
@@ -129,10 +138,14 @@ def main(args) -> int:
         serve_args = ["--prefill-chunk", str(args.prefill_chunk)]
         with Deployment(args.replicas, args.model, threads=args.threads, serve_args=serve_args, **how) as d:
             name = get_json(f"{d.urls[0]}/v1/models")["data"][0]["id"]
-            run = replay(d, requests, name)
+            run = replay(d, requests, name, args.think_ms / 1e3)
         run["prefilled_vs_oracle"] = run["prefilled_tokens"] / max(minimum, 1)
         report["runs"][label] = run
-    print(f"\n{len(requests)} requests ({total} prompt tokens), {args.replicas} replicas, seed {args.seed}")
+    print(
+        f"\n{len(requests)} requests ({total} prompt tokens), {args.replicas} replicas, seed {args.seed}, ",
+        end="",
+    )
+    print(f"{args.think_ms:g} ms between an answer and the next request")
     print(f"single-server oracle minimum: {minimum} prefilled tokens")
     print(f"{'run':<30}{'prefilled':>10}{'vs oracle':>10}{'seconds':>9}  prompt tokens per replica")
     for label, r in report["runs"].items():
