@@ -87,12 +87,14 @@ class Deployment:
     """replicas: how many `hybridlm serve` processes; model: checkpoint directory (None: the demo
     model); store: run a store server and pass `--cache-store` (False: replicas keep private caches);
     policy: the router's (`cache_aware`: its prefix tree over request text, falling back to load;
-    `round_robin`); threads: torch threads per replica; serve_args: more `hybridlm serve` flags."""
+    `round_robin`), None: no router; threads: torch threads per replica; serve_args: more
+    `hybridlm serve` flags. `launch()` starts the processes, `ready()` waits for them and starts
+    the router (two deployments load in parallel when both are launched first)."""
 
     replicas: int = 3
     model: str | None = None
     store: bool = True
-    policy: str = "cache_aware"
+    policy: str | None = "cache_aware"
     threads: int = 1
     serve_args: list[str] = field(default_factory=list)
     logs: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="hybridlm-cluster-")))
@@ -111,14 +113,25 @@ class Deployment:
         return proc
 
     def start(self, timeout_s: float = 300.0) -> Deployment:
+        return self.launch().ready(timeout_s)
+
+    def launch(self) -> Deployment:
         try:
-            self._start(timeout_s)
+            self._launch()
         except BaseException:
             self.stop()
             raise
         return self
 
-    def _start(self, timeout_s: float) -> None:
+    def ready(self, timeout_s: float = 300.0) -> Deployment:
+        try:
+            self._ready(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _launch(self) -> None:
         if self.store:
             port = free_port()
             args = [store_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
@@ -139,6 +152,8 @@ class Deployment:
                 args += ["--cache-store", self.store_url, "--replica", url]
             self._spawn(f"replica{i}", args + self.serve_args, env)
             self.urls.append(url)
+
+    def _ready(self, timeout_s: float) -> None:
         for i, url in enumerate(self.urls):
             _wait_until(
                 lambda u=url: get_json(f"{u}/health")["status"] == "ok",
@@ -146,6 +161,8 @@ class Deployment:
                 url,
                 self.procs[f"replica{i}"],
             )
+        if self.policy is None:
+            return
         port = free_port()
         args = router_command() + ["--host", "127.0.0.1", "--port", str(port), "--policy", self.policy]
         args += ["--worker-urls", *self.urls, "--health-check-interval-secs", "1", "--log-level", "warn"]
