@@ -601,6 +601,16 @@ def build_parser() -> argparse.ArgumentParser:
         default=100.0,
         help="client pause between an answer and its next request (default 100; store writes are async)",
     )
+    c.add_argument(
+        "--clients",
+        type=int,
+        default=1,
+        help="concurrent clients, each sending whole conversations (default 1: the oracle minimum is "
+        "exact only for one)",
+    )
+    c.add_argument(
+        "--ray", action="store_true", help='also run the replicas under Ray Serve (pip install "ray[serve]")'
+    )
     c.add_argument("--json", default=None, help="also write the report as JSON to this file")
     c.set_defaults(func=cmd_bench_cluster)
 
