@@ -88,8 +88,9 @@ class Deployment:
     model); store: run a store server and pass `--cache-store` (False: replicas keep private caches);
     policy: the router's (`cache_aware`: its prefix tree over request text, falling back to load;
     `round_robin`), None: no router; threads: torch threads per replica; serve_args: more
-    `hybridlm serve` flags. `launch()` starts the processes, `ready()` waits for them and starts
-    the router (two deployments load in parallel when both are launched first)."""
+    `hybridlm serve` flags; router_args: more router flags. `launch()` starts the processes,
+    `ready()` waits for them and starts the router (two deployments load in parallel when both are
+    launched first)."""
 
     replicas: int = 3
     model: str | None = None
@@ -97,6 +98,7 @@ class Deployment:
     policy: str | None = "cache_aware"
     threads: int = 1
     serve_args: list[str] = field(default_factory=list)
+    router_args: list[str] = field(default_factory=list)
     logs: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="hybridlm-cluster-")))
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     urls: list[str] = field(default_factory=list)
@@ -166,7 +168,7 @@ class Deployment:
         port = free_port()
         args = router_command() + ["--host", "127.0.0.1", "--port", str(port), "--policy", self.policy]
         args += ["--worker-urls", *self.urls, "--health-check-interval-secs", "1", "--log-level", "warn"]
-        proc = self._spawn("router", args)
+        proc = self._spawn("router", args + self.router_args)
         self.router_url = f"http://127.0.0.1:{port}"
         _wait_until(
             lambda: urllib.request.urlopen(f"{self.router_url}/health", timeout=2).status == 200,

@@ -16,12 +16,14 @@ run time, in Ray's copy of the class.
 
 import asyncio
 import logging
+import os
 from dataclasses import dataclass
 
 import valkey
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from ray import serve
+from ray.exceptions import RayError
 from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import FIFOMixin, RequestRouter
 
@@ -127,9 +129,13 @@ class HybridReplica:
         app = create_app(self.engine, args.model_name or "hybridlm")
         self.client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://replica")
 
-    async def __call__(self, path: str, body: dict) -> tuple[int, dict, str]:
+    async def __call__(self, path: str, body: dict) -> tuple[int, dict, dict]:
         response = await self.client.post(path, json=body, timeout=600)
-        return response.status_code, response.json(), self.me
+        return (
+            response.status_code,
+            response.json(),
+            {"x-hybridlm-replica": self.me, "x-hybridlm-pid": str(os.getpid())},
+        )
 
 
 http = FastAPI()
@@ -137,14 +143,19 @@ http = FastAPI()
 
 @serve.ingress(http)
 class Frontend:
-    """HTTP ingress: forwards OpenAI requests (non-streaming) to a replica chosen by the router."""
+    """HTTP ingress: forwards OpenAI requests (non-streaming) to a replica chosen by the router;
+    the answer names the replica (headers x-hybridlm-replica, x-hybridlm-pid)."""
 
     def __init__(self, replica) -> None:
         self.replica = replica
 
     async def _forward(self, path: str, request: Request) -> JSONResponse:
-        status, body, replica = await self.replica.remote(path, await request.json())
-        return JSONResponse(body, status_code=status, headers={"x-hybridlm-replica": replica})
+        try:
+            status, body, headers = await self.replica.remote(path, await request.json())
+        except RayError as e:  # the replica died with the request (the only requests a crash may fail)
+            error = {"message": f"the replica failed: {type(e).__name__}", "type": "server_error"}
+            return JSONResponse({"error": error}, status_code=503)
+        return JSONResponse(body, status_code=status, headers=headers)
 
     @http.post("/v1/completions")
     async def completions(self, request: Request):
