@@ -11,6 +11,9 @@ from pathlib import Path
 
 import torch
 
+from hybridlm.models.random import PRESETS
+from hybridlm.ops.quant import QUANTIZATIONS
+
 log = logging.getLogger("hybridlm")
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
@@ -35,6 +38,7 @@ environment variables (a flag given on the command line wins):
   HYBRIDLM_PREFIX_CACHE     set to 0 for --no-prefix-cache
   HYBRIDLM_SPECULATIVE      --speculative
   HYBRIDLM_DRAFT_MODEL      --draft-model
+  HYBRIDLM_QUANTIZE         --quantize
   HYBRIDLM_DRAFT_QUANTIZE   --draft-quantize
   HYBRIDLM_NUM_DRAFT        --num-draft
   HYBRIDLM_LOG_LEVEL        log level: DEBUG, INFO, WARNING (default), ERROR
@@ -54,6 +58,13 @@ def _env(name: str, default: str | None = None) -> str | None:
     return os.environ.get(name, default)
 
 
+def quantization(text: str) -> str:
+    """A --quantize value (checked here, so a bad HYBRIDLM_QUANTIZE is reported like a bad flag)."""
+    if text not in QUANTIZATIONS:
+        raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from {', '.join(QUANTIZATIONS)})")
+    return text
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
@@ -65,6 +76,15 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         "--dtype", choices=sorted(DTYPES), default=None, help="weight and activation dtype (default bfloat16)"
     )
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    p.add_argument(
+        "--quantize",
+        type=quantization,
+        metavar="{" + ",".join(QUANTIZATIONS) + "}",
+        default=_env("HYBRIDLM_QUANTIZE"),
+        help="weight-only quantization of every linear layer on load, LM head included (int8: per "
+        "output channel; int4: groups of 64); a checkpoint written by `hybridlm quantize` loads "
+        "quantized without it [env HYBRIDLM_QUANTIZE]",
+    )
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
@@ -158,9 +178,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--draft-quantize",
-        choices=["int8"],
+        choices=QUANTIZATIONS,
         default=_env("HYBRIDLM_DRAFT_QUANTIZE"),
-        help="quantize the draft model's linear layers on load (int8: weight-only, per-channel scales) "
+        help="quantize the draft model's linear layers on load (weight-only, as --quantize) "
         "[env HYBRIDLM_DRAFT_QUANTIZE]",
     )
     p.add_argument(
@@ -188,7 +208,7 @@ def load(args):
             path = demo_model_dir()
         bar.update()
         bar.set_postfix_str("weights")
-        model = load_model(path, dtype=DTYPES.get(args.dtype), device=args.device)
+        model = load_model(path, dtype=DTYPES.get(args.dtype), device=args.device, quantize=args.quantize)
         bar.update()
         bar.set_postfix_str("warm-up")
         model.warm_up()
@@ -373,10 +393,33 @@ def cmd_demo_model(args) -> int:
     return 0
 
 
+def cmd_quantize(args) -> int:
+    from hybridlm import load_model
+    from hybridlm.models.quantized import save_quantized
+
+    if args.quantize is None:
+        raise SystemExit("hybridlm quantize: --quantize int8 or int4 is required")
+    path = args.model
+    if path is None:
+        from hybridlm.demo import demo_model_dir
+
+        path = demo_model_dir()
+    model = load_model(path, dtype=DTYPES.get(args.dtype), device="cpu", quantize=args.quantize)
+    out = save_quantized(model.lm, path, args.out)
+    print(f"wrote {args.quantize} checkpoint to {out}")
+    return 0
+
+
 def cmd_bench_forward(args) -> int:
     from hybridlm.bench import forward
 
     return forward.main(args)
+
+
+def cmd_bench_quality(args) -> int:
+    from hybridlm.bench import quality
+
+    return quality.main(args)
 
 
 def cmd_bench_multiturn(args) -> int:
@@ -515,10 +558,21 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--out", required=True, help="directory to write")
     d.set_defaults(func=cmd_demo_model)
 
+    q = sub.add_parser(
+        "quantize",
+        help="write a quantized checkpoint (quantize once, load it quantized)",
+        description="Quantize every linear layer of --model by --quantize and write the result as a "
+        "checkpoint directory (safetensors; layout in docs/architecture.md) to --out.",
+    )
+    add_model_args(q)
+    q.add_argument("--out", required=True, help="directory to write")
+    q.set_defaults(func=cmd_quantize)
+
     b = sub.add_parser(
         "bench",
         help="measure speed next to the machine's limits",
-        description="Benchmarks: `forward` (model speed beside the machine's limits), `speculative` "
+        description="Benchmarks: `forward` (model speed beside the machine's limits), `quality` "
+        "(quantized against bf16 weights), `speculative` "
         "(speculative vs plain decoding), `serve` "
         "(the HTTP server beside the engine alone).",
     )
@@ -542,6 +596,26 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--decode", type=int, default=32, help="decode steps to time (default 32)")
     add_bench_args(f)
     f.set_defaults(func=cmd_bench_forward)
+
+    ql = bench.add_parser(
+        "quality",
+        help="KL divergence and top-1 agreement of quantized weights against bf16",
+        description="Run the same token sequences through the bf16 model and its int8 / int4 "
+        "quantizations (--quantize picks one) and report KL(bf16 || quantized) of the next-token "
+        "distributions and top-1 agreement over every position.",
+    )
+    add_model_args(ql)
+    ql.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default=None,
+        help="use a random-weight checkpoint of this published shape (written once to the cache dir)",
+    )
+    ql.add_argument("--tokens", type=int, default=4096, help="positions compared (default 4096)")
+    ql.add_argument("--context", type=int, default=512, help="tokens per sequence (default 512)")
+    ql.add_argument("--seed", type=int, default=0, help="seed of the random token sequences")
+    add_bench_args(ql)
+    ql.set_defaults(func=cmd_bench_quality)
 
     v = bench.add_parser(
         "serve",
@@ -654,7 +728,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="checkpoint directory of a draft model (same tokenizer) or of a Gemma 4 assistant",
     )
     sp.add_argument(
-        "--draft-quantize", choices=["int8"], default=None, help="quantize the draft model on load"
+        "--draft-quantize", choices=QUANTIZATIONS, default=None, help="quantize the draft model on load"
     )
     sp.add_argument(
         "--mtp", action="store_true", help="also draft with the checkpoint's multi-token-prediction head"

@@ -298,8 +298,8 @@ def test_server_reports_the_assistants_speculation(pairs):
     spec = response["usage"]["speculative"]
     assert spec["verify_passes"] > 0 and 0 < spec["accepted_tokens"] <= spec["drafted_tokens"]
     lines = dict(line.rsplit(" ", 1) for line in metrics.splitlines() if not line.startswith("#"))
-    assert int(lines["hybridlm_speculative_verify_passes_total"]) == spec["verify_passes"]
-    assert int(lines["hybridlm_speculative_accepted_tokens_total"]) == spec["accepted_tokens"]
+    assert int(float(lines["hybridlm_speculative_verify_passes_total"])) == spec["verify_passes"]
+    assert int(float(lines["hybridlm_speculative_accepted_tokens_total"])) == spec["accepted_tokens"]
 
 
 def test_cli_serves_with_an_assistant_and_refuses_one_that_does_not_fit(pairs, checkpoints, tmp_path):

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 import jinja2
 import uvicorn
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -36,6 +36,7 @@ from hybridlm.engine import (
 )
 from hybridlm.engine.request import CANCELLED, ERROR
 from hybridlm.server import metrics
+from hybridlm.server.middleware import CountResponses
 from hybridlm.server.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -46,39 +47,18 @@ from hybridlm.server.protocol import (
 
 log = logging.getLogger(__name__)
 
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
-
 
 def _json_line(body: dict) -> bytes:
     return b"data: " + json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
-
-
-class _CountResponses:
-    """Pure ASGI middleware counting responses by endpoint and status (no per-chunk buffering)."""
-
-    def __init__(self, app, stats: metrics.HTTPStats):
-        self.app = app
-        self.stats = stats
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        endpoint = scope["path"] if scope["path"] in ENDPOINTS else "other"
-
-        async def counting_send(message):
-            if message["type"] == "http.response.start":
-                self.stats.count(endpoint, message["status"])
-            await send(message)
-
-        await self.app(scope, receive, counting_send)
 
 
 def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> FastAPI:
     """The ASGI app serving `engine` as model `model_name`; with `api_key`, every endpoint except
     `/health` needs `Authorization: Bearer <api_key>`."""
     app = FastAPI(title="hybridlm", version=__version__, docs_url=None, redoc_url=None)
-    http_stats = metrics.HTTPStats()
-    app.add_middleware(_CountResponses, stats=http_stats)
+    stats = metrics.Metrics(engine, model_name)
+    route_paths: set[str] = set()  # filled once every route is defined
+    app.add_middleware(CountResponses, count=stats.count, paths=route_paths)
     tokenizer = engine.tokenizer
     started = int(time.time())
 
@@ -90,13 +70,6 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
     async def http_error(request: Request, e: StarletteHTTPException):
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
         return await api_error(request, APIError(e.status_code, str(e.detail), type=kind, headers=e.headers))
-
-    @app.exception_handler(Exception)
-    async def internal_error(request: Request, e: Exception):
-        log.exception("event=unhandled_error path=%s", request.url.path)
-        return await api_error(
-            request, APIError(500, f"internal error: {type(e).__name__}", type="server_error")
-        )
 
     async def authorize(request: Request) -> None:
         if api_key is None:
@@ -296,10 +269,9 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
 
     @app.get("/metrics", dependencies=[Depends(authorize)])
     async def prometheus():
-        return PlainTextResponse(
-            metrics.render(engine, http_stats, model_name), media_type=metrics.CONTENT_TYPE
-        )
+        return Response(stats.render(), media_type=metrics.CONTENT_TYPE)
 
+    route_paths.update(route.path for route in app.routes)
     return app
 
 
