@@ -107,6 +107,22 @@ def byte_size(text: str) -> int:
     return int(value * units[unit])
 
 
+def store_url(text: str) -> str:
+    """A Valkey / Redis URL: redis[s]:// or valkey[s]://HOST[:PORT][/DB], DB a number."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(text)
+        parts.port  # noqa: B018 -- raises ValueError for a port that is not a number
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
+    if parts.scheme not in ("redis", "rediss", "valkey", "valkeys") or not parts.hostname:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected redis://HOST:PORT/DB")
+    if parts.path.strip("/") and not parts.path.strip("/").isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r}: the database must be a number")
+    return text
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--cache-ram",
@@ -129,6 +145,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--cache-store",
+        type=store_url,
         default=_env("HYBRIDLM_CACHE_STORE"),
         help="redis://HOST:PORT/DB of a Valkey / Redis server shared by replicas: prefixes missing here "
         "are restored from it, and what this server computes is written to it [env HYBRIDLM_CACHE_STORE]",

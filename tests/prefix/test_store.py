@@ -170,3 +170,15 @@ def test_a_full_store_refuses_writes_and_answers_stay_exact(checkpoints, tmp_pat
         assert any("write refused" in w for w in warnings_of(caplog))
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("url", ["foo://x", "redis://localhost:notaport/0", "redis://h:1/zz", "redis:///0"])
+def test_cache_store_flag_rejects_a_bad_url(url, capsys):
+    from hybridlm.cli import build_parser
+
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["serve", "--cache-store", url])
+    assert e.value.code == 2 and "--cache-store" in capsys.readouterr().err
+    assert (
+        build_parser().parse_args(["serve", "--cache-store", "redis://h:1/3"]).cache_store == "redis://h:1/3"
+    )
