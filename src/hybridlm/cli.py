@@ -700,6 +700,12 @@ def build_parser() -> argparse.ArgumentParser:
         "exact only for one)",
     )
     c.add_argument(
+        "--router-args",
+        default="",
+        help="more flags for SGLang's cache-aware router, e.g. '--balance-abs-threshold 0 "
+        "--balance-rel-threshold 1.0'",
+    )
+    c.add_argument(
         "--ray", action="store_true", help='also run the replicas under Ray Serve (pip install "ray[serve]")'
     )
     c.add_argument("--json", default=None, help="also write the report as JSON to this file")

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import random
+import shlex
 import threading
 import time
 import urllib.request
@@ -154,7 +155,11 @@ def _store_sent_bytes(store_url: str | None) -> int | None:
 
 def run_sglang(args, requests, how: dict) -> dict:
     serve_args = ["--prefill-chunk", str(args.prefill_chunk), "--model-name", MODEL_NAME]
-    with Deployment(args.replicas, args.model, threads=args.threads, serve_args=serve_args, **how) as d:
+    router_args = shlex.split(args.router_args) if how["policy"] == "cache_aware" else []
+    deployment = Deployment(
+        args.replicas, args.model, threads=args.threads, serve_args=serve_args, router_args=router_args, **how
+    )
+    with deployment as d:
         run = replay(d.router_url, requests, args.think_ms / 1e3, args.clients)
         run["prompt_tokens_per_replica"] = sorted(
             (_metric(u, "hybridlm_prompt_tokens_total") for u in d.urls), reverse=True
