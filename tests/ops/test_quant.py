@@ -59,6 +59,13 @@ def test_prefill_dequantizes_to_bf16_and_matches_reference(scheme):
     assert torch.all((q(x).double() - ref).abs() <= ref.abs() * 2**-8 + size * 2**-8)
 
 
+@needs_kernels
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_the_c_dequantization_equals_torch_bit_for_bit(scheme):
+    q = QuantLinear.from_linear(_layer(21, 320, False), scheme)
+    assert torch.equal(q._dequantized_slab(3, 17), q.dequantized(torch.bfloat16)[3:17])
+
+
 def test_prefill_in_slabs_equals_one_slab(monkeypatch):
     q = QuantLinear.from_linear(_layer(70, 128, True), "int4")
     x = _x(30, 128)

@@ -9,8 +9,6 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-import hybridlm
-from hybridlm.engine import Engine
 from hybridlm.engine.stats import EngineStats
 from hybridlm.server import create_app
 from hybridlm.server.metrics import Metrics
@@ -69,16 +67,10 @@ def test_served_histograms_count_every_request(server, client, auth):
     assert [v for _, v in buckets] == sorted(v for _, v in buckets)  # cumulative
 
 
-@pytest.fixture(scope="module")
-def engine(demo_dir):
-    model = hybridlm.load_model(demo_dir)
-    with Engine(model.lm, model.tokenizer, context_length=256) as engine:
-        yield engine
-
-
-def test_unhandled_error_is_counted_and_keeps_the_connection(engine, monkeypatch):
+def test_unhandled_error_is_counted_and_keeps_the_connection(demo_engine, monkeypatch):
     """A bug in a handler answers 500 in OpenAI's shape, is counted, and the keep-alive connection
     serves the next request."""
+    engine = demo_engine
     real = engine.tokenizer.encode
 
     def encode(text, *args, **kwargs):

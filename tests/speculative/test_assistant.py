@@ -312,7 +312,7 @@ def test_cli_serves_with_an_assistant_and_refuses_one_that_does_not_fit(pairs, c
     served = SimpleNamespace(lm=p.target, path=tmp_path)
     assert isinstance(make_speculator(served, args).make_drafter(), AssistantDrafter)
     int8 = build_parser().parse_args([*flags, "--draft-quantize", "int8"])
-    assert make_speculator(served, int8).make_drafter().model.lm_head.weight_int8.dtype == torch.int8
+    assert make_speculator(served, int8).make_drafter().model.lm_head.qweight.dtype == torch.int8
 
     demo = hybridlm.load_model(write_demo_model(tmp_path / "demo"), dtype=torch.float32)
     with pytest.raises(SystemExit, match=re.escape(f"--draft-model {path}: a Gemma 4 assistant drafts only")):

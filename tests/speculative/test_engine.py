@@ -139,4 +139,4 @@ def test_cli_builds_the_speculator(demo):
             make_speculator(demo, parse("--speculative", "ngram", "--num-draft", bad))
     flags = ("--speculative", "draft", "--draft-model", str(demo.path), "--draft-quantize", "int8")
     draft = make_speculator(demo, parse(*flags))
-    assert draft.make_drafter().model.lm_head.weight_int8.dtype == torch.int8
+    assert draft.make_drafter().model.lm_head.qweight.dtype == torch.int8

@@ -25,7 +25,7 @@ def preset_dir(preset: str) -> Path:
     """A random checkpoint of a published shape, written once under the user cache directory."""
     from hybridlm.models.random import PRESETS, write_random_checkpoint
 
-    base = Path(os.environ.get("HYBRIDLM_CACHE_DIR") or Path.home() / ".cache" / "hybridlm")
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hybridlm"
     out = base / "presets" / preset
     if not (out / "config.json").exists():
         print(f"writing random {preset} checkpoint to {out} ...", flush=True)

@@ -3,7 +3,7 @@
 The CPU decode path is dominated by per-call overhead of many tiny ATen ops and by memory-bound
 matrix-vector products; a few fused C loops (``ops.linear``, ``ops.gated_delta``) remove both. Each
 kernel family is one C file in ``ops/csrc/`` (shipped with the package; ``bf16.h`` holds the shared
-bf16 helpers), built with ``-O3 -march=native -fopenmp`` into ``$HYBRIDLM_CACHE_DIR/kernels``
+bf16 helpers), built with ``-O3 -march=native -fopenmp`` into ``$XDG_CACHE_HOME/hybridlm/kernels``
 (default ``~/.cache/hybridlm/kernels``) under a name keyed by the sources (the file and every header
 beside it), compiler, flags and CPU, so a changed kernel or machine never loads a stale build.
 
@@ -39,8 +39,10 @@ FEW_TOKENS = 17
 CSRC = Path(__file__).parent / "csrc"
 
 def cache_dir() -> Path:
-    """``$HYBRIDLM_CACHE_DIR/kernels`` (default ``~/.cache/hybridlm``), else a per-user temp dir."""
-    base = Path(os.environ.get("HYBRIDLM_CACHE_DIR") or Path.home() / ".cache" / "hybridlm")
+    """``$XDG_CACHE_HOME/hybridlm/kernels`` (default ``~/.cache/hybridlm/kernels``), else a per-user temp
+    dir. Not under ``HYBRIDLM_CACHE_DIR``: that names the prefix cache's disk tier, whose files an
+    operator may wipe or share between models."""
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hybridlm"
     for path in (base / "kernels", Path(tempfile.gettempdir()) / f"hybridlm-{os.getuid()}"):
         try:
             path.mkdir(parents=True, exist_ok=True)

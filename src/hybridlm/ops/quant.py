@@ -147,33 +147,35 @@ class QuantLinear(nn.Module):
         fn(*args, torch.get_num_threads())
         return w
 
-    def _kernel(self, x: torch.Tensor):
-        """The decode kernel for x, or None where it does not apply."""
-        if not (
+    def _kernel_applies(self, x: torch.Tensor) -> bool:
+        """bf16 CPU input of 1..FEW_TOKENS rows, CPU weights, not traced by torch.compile.
+
+        Runs on every call of every layer in decode: cheapest checks first."""
+        return (
             x.dtype is torch.bfloat16
             and x.is_cpu
-            and self.qweight.is_cpu
             and 0 < x.numel() <= FEW_TOKENS * self.in_features
+            and self.qweight.is_cpu
             and (self.bias is None or self.bias.dtype is torch.bfloat16)
             and not torch.compiler.is_compiling()
-        ):
-            return None
-        return (INT8_KERNEL if self.bits == 8 else INT4_KERNEL).get()
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out] in x's dtype; few-row bf16 CPU inputs accumulate in float32
         and round once."""
-        fn = self._kernel(x)
+        fn = (INT8_KERNEL if self.bits == 8 else INT4_KERNEL).get() if self._kernel_applies(x) else None
         if fn is None:
             return self._forward_dequantized(x)
-        x = x.contiguous()
+        if not x.is_contiguous():
+            x = x.contiguous()
         y = torch.empty((*x.shape[:-1], self.out_features), dtype=torch.bfloat16)
-        args = [x.data_ptr(), x.numel() // self.in_features, self.qweight.data_ptr(), self.scales.data_ptr(),
-                None if self.bias is None else self.bias.data_ptr(), y.data_ptr(), self.out_features,
-                self.in_features]
-        if self.bits == 4:
-            args.append(self.group_size)
-        fn(*args, torch.get_num_threads())
+        bias = None if self.bias is None else self.bias.data_ptr()
+        rows, n, k = x.numel() // self.in_features, self.out_features, self.in_features
+        q, s, threads = self.qweight.data_ptr(), self.scales.data_ptr(), torch.get_num_threads()
+        if self.bits == 8:
+            fn(x.data_ptr(), rows, q, s, bias, y.data_ptr(), n, k, threads)
+        else:
+            fn(x.data_ptr(), rows, q, s, bias, y.data_ptr(), n, k, self.group_size, threads)
         return y
 
     def _forward_dequantized(self, x: torch.Tensor) -> torch.Tensor:

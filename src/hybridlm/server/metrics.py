@@ -122,8 +122,9 @@ def _prefix_cache(prefix):
     tiers = ("tier",)
     yield _gauge(
         "prefix_cache_bytes",
-        "Bytes held by prefix-cache snapshots, by tier.",
-        [(("ram",), prefix.ram_bytes), (("disk",), prefix.disk_bytes)],
+        "Prefix-cache bytes by tier: ram (what --cache-ram covers), disk, pinned (the running request's "
+        "live caches, outside the budget).",
+        [(("ram",), prefix.ram_bytes), (("disk",), prefix.disk_bytes), (("pinned",), prefix.pinned_bytes)],
         tiers,
     )
     yield _gauge(

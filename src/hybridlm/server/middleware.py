@@ -5,15 +5,15 @@ Pure ASGI (no `BaseHTTPMiddleware`) so streamed responses pass through chunk by 
 
 from __future__ import annotations
 
+import asyncio
+import hmac
 import json
 import logging
 from collections.abc import Callable
 
+from hybridlm.server.protocol import APIError
+
 log = logging.getLogger("hybridlm.server")
-
-
-def error_body(message: str, type: str, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type, "param": None, "code": code}}
 
 
 async def send_json(send, status: int, body: dict, headers: list[tuple[bytes, bytes]] = ()) -> None:
@@ -55,7 +55,75 @@ class CountResponses:
         except Exception as e:
             log.exception("event=unhandled_error path=%s", scope["path"])
             if not started:
-                body = error_body(f"internal error: {type(e).__name__}", "server_error")
-                await send_json(counting_send, 500, body)
+                error = APIError(500, f"internal error: {type(e).__name__}", type="server_error")
+                await send_json(counting_send, 500, error.body())
             elif not ended:
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+class RequireKey:
+    """With an API key, every path but `open_paths` needs `Authorization: Bearer <key>` (401 otherwise,
+    before the body is read)."""
+
+    def __init__(self, app, api_key: str | None, open_paths: frozenset[str] = frozenset({"/health"})):
+        self.app = app
+        self.key = None if api_key is None else api_key.encode()
+        self.open_paths = open_paths
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and self.key is not None and scope["path"] not in self.open_paths:
+            headers = dict(scope["headers"])
+            scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
+                error = APIError(
+                    401,
+                    "missing or invalid API key (send Authorization: Bearer <key>)",
+                    code="invalid_api_key",
+                )
+                return await send_json(send, 401, error.body(), [(b"www-authenticate", b"Bearer")])
+        await self.app(scope, receive, send)
+
+
+class LimitBody:
+    """Request bodies of at most `max_bytes` (413 beyond: at once when Content-Length says so, else as
+    soon as the bytes received pass it), each part arriving within `timeout` seconds of the last
+    (408 otherwise: a client trickling its body does not hold a handler forever)."""
+
+    def __init__(self, app, max_bytes: int, timeout: float):
+        self.app = app
+        self.max_bytes = max_bytes
+        self.timeout = timeout
+
+    def too_large(self) -> APIError:
+        return APIError(
+            413,
+            f"the request body exceeds this server's limit of {self.max_bytes} bytes",
+            code="body_too_large",
+        )
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            return await send_json(send, 413, self.too_large().body(), [(b"connection", b"close")])
+        received, complete = 0, False
+
+        async def limited_receive():
+            nonlocal received, complete
+            if complete:  # e.g. waiting for a disconnect while generating: no deadline
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.timeout)
+            except TimeoutError:
+                raise APIError(
+                    408, f"the request body did not arrive within {self.timeout:g} s", code="timeout"
+                ) from None
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise self.too_large()
+                complete = not message.get("more_body", False)
+            return message
+
+        await self.app(scope, limited_receive, send)

@@ -21,6 +21,7 @@
 #define MIN_PARALLEL_BYTES 65536 /* below this a second thread costs more to wake than it saves */
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#define QUANT_SIMD 1
 #include <immintrin.h>
 #define MC8 4 /* input rows per pass of the int8 tile */
 #define MC4 2 /* of the int4 tile: it also holds a per-group sum per (row, input) */
@@ -69,7 +70,7 @@ static inline __attribute__((always_inline)) void tile_i4(const uint16_t* x, int
     const int64_t groups = K / G;
     /* the scales as float32: a broadcast from memory costs a load, not a shuffle */
     float sf[RB * groups];
-    for (int r = 0; r < rb; r++) for (int64_t g = 0; g < groups; g++) sf[r * groups + g] = bf16_to_f32(scales[r * groups + g]);
+    for (int64_t i = 0; i < rb * groups; i++) sf[i] = bf16_to_f32(scales[i]);
     __m512 acc[RB][MC4], part[RB][MC4];
     /* group g ends: its sums, times its scale, go into the row's sums */
 #define FLUSH(g)                                                                      \
@@ -109,6 +110,7 @@ static inline __attribute__((always_inline)) void tile_i4(const uint16_t* x, int
 #undef FLUSH
 }
 #else
+#define QUANT_SIMD 0
 #define MC8 4
 #define MC4 2
 /* Portable tiles: one output at a time, the same order for any rows beside it. */
@@ -158,7 +160,8 @@ int hybridlm_linear_int8(const uint16_t* x, int64_t M, const int8_t* q, const fl
             else tile_i8(xf + m0 * K, K, mc, q + n0 * K, rb, out);
             for (int r = 0; r < rb; r++) {
                 const float bv = bias ? bf16_to_f32(bias[n0 + r]) : 0.f;
-                for (int c = 0; c < mc; c++) y[(m0 + c) * N + n0 + r] = f32_to_bf16(out[r][c] * scale[n0 + r] + bv);
+                for (int c = 0; c < mc; c++)
+                    y[(m0 + c) * N + n0 + r] = f32_to_bf16(out[r][c] * scale[n0 + r] + bv);
             }
         }
     }
@@ -192,12 +195,25 @@ int hybridlm_linear_int4(const uint16_t* x, int64_t M, const uint8_t* q, const u
     return 0;
 }
 
-/* Rows [n0, n1) of the weight as bf16, w [n1 - n0, K]: q · scale rounded to bf16 once. */
+/* Rows [n0, n1) of the weight as bf16, w [n1 - n0, K]: q · scale rounded to bf16 once (to nearest
+   even, as f32_to_bf16 and vcvtneps2bf16 both round). */
 void hybridlm_dequant_int8(const int8_t* q, const float* scale, uint16_t* w, int64_t n0, int64_t n1, int64_t K,
                            int nthreads) {
     #pragma omp parallel for schedule(static) num_threads(nthreads)
-    for (int64_t n = n0; n < n1; n++)
-        for (int64_t k = 0; k < K; k++) w[(n - n0) * K + k] = f32_to_bf16((float)q[n * K + k] * scale[n]);
+    for (int64_t n = n0; n < n1; n++) {
+        const int8_t* row = q + n * K;
+        uint16_t* out = w + (n - n0) * K;
+        int64_t k = 0;
+#if QUANT_SIMD
+        const __m512 s = _mm512_set1_ps(scale[n]);
+        for (; k + 16 <= K; k += 16) {
+            const __m128i b = _mm_loadu_si128((const __m128i*)(row + k));
+            const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+            _mm256_storeu_si256((__m256i*)(out + k), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(v, s)));
+        }
+#endif
+        for (; k < K; k++) out[k] = f32_to_bf16((float)row[k] * scale[n]);
+    }
 }
 
 void hybridlm_dequant_int4(const uint8_t* q, const uint16_t* scales, uint16_t* w, int64_t n0, int64_t n1,
@@ -206,13 +222,26 @@ void hybridlm_dequant_int4(const uint8_t* q, const uint16_t* scales, uint16_t* w
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t* row = q + n * (K / 2);
         uint16_t* out = w + (n - n0) * K;
-        for (int64_t k0 = 0; k0 < K; k0 += 64)
+        for (int64_t k0 = 0; k0 < K; k0 += 64) {
+            const float s0 = bf16_to_f32(scales[n * (K / G) + k0 / G]);
+            const float s1 = bf16_to_f32(scales[n * (K / G) + (k0 + 32) / G]);
+#if QUANT_SIMD
+            /* q - 8 as float32 for nibbles 0 .. 15 (vpermps reads 4 index bits: no masking) */
+            const __m512 table = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+            for (int i = 0; i < 32; i += 16) {
+                const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(row + k0 / 2 + i)));
+                const __m512 lo = _mm512_permutexvar_ps(b, table);
+                const __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table);
+                _mm256_storeu_si256((__m256i*)(out + k0 + i), (__m256i)_mm512_cvtneps_pbh(lo * s0));
+                _mm256_storeu_si256((__m256i*)(out + k0 + 32 + i), (__m256i)_mm512_cvtneps_pbh(hi * s1));
+            }
+#else
             for (int i = 0; i < 32; i++) {
                 const uint8_t b = row[k0 / 2 + i];
-                const float s0 = bf16_to_f32(scales[n * (K / G) + k0 / G]);
-                const float s1 = bf16_to_f32(scales[n * (K / G) + (k0 + 32) / G]);
                 out[k0 + i] = f32_to_bf16((float)((b & 15) - 8) * s0);
                 out[k0 + 32 + i] = f32_to_bf16((float)((b >> 4) - 8) * s1);
             }
+#endif
+        }
     }
 }
