@@ -380,6 +380,11 @@ def summary(model, engine, args, kernel_fallbacks: list[str]) -> str:
         cache = f"ram {args.cache_ram / 2**20:.0f} MiB"
         if prefix.disk is not None:
             cache += f", disk {args.cache_disk / 2**20:.0f} MiB at {prefix.disk.directory}"
+        if prefix.store is not None:
+            from urllib.parse import urlsplit
+
+            where = urlsplit(prefix.store.url)  # never the password
+            cache += f", shared store {where.hostname}:{where.port or 6379}{where.path or '/0'}"
     return (
         f"hybridlm: loaded {lm.config.get('model_type', type(lm).__name__)} from {model.path} "
         f"({params / 1e6:.1f}M parameters, {dtype}, {lm.device}, {torch.get_num_threads()} threads; "
@@ -738,7 +743,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="measure speed next to the machine's limits",
         description="Benchmarks: `forward` (model speed beside the machine's limits), `quality` "
         "(quantized against bf16 weights), `serve` (the HTTP server beside the engine alone), "
-        "`multiturn` (prefix-cache reuse on chat / agent traces), `restore` (restoring a cached prefix "
+        "`multiturn` (prefix-cache reuse on chat / agent traces), `cluster` (those traces over replicas "
+        "sharing a store, behind a router), `restore` (restoring a cached prefix "
         "vs recomputing it), `speculative` (speculative vs plain decoding). Each has its own --help.",
     )
     bench = b.add_subparsers(dest="what", required=True)
