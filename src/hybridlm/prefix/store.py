@@ -356,14 +356,15 @@ class StoreTier:
             self._queue.put(("at", keys))
 
     def flush(self, timeout_s: float = 10.0) -> bool:
-        """Wait until every queued write was sent (tests, shutdown); False on timeout."""
+        """Wait until every write queued so far was sent; False on timeout."""
         done = threading.Event()
         self._queue.put(("flush", done))
         return done.wait(timeout_s)
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 5.0) -> None:
+        """At shutdown: send what is queued (waiting at most `timeout_s`), then disconnect."""
         self._queue.put(None)
-        self._writer.join(timeout=5.0)
+        self._writer.join(timeout_s)
         self.client.close()
 
     def _write_loop(self) -> None:
