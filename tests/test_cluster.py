@@ -4,6 +4,7 @@ a replica killed mid-request fails only its own in-flight request."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import urllib.error
@@ -52,6 +53,8 @@ def test_replica_b_continues_replica_a_conversation_exactly(deployments, demo_di
     B's cached_tokens equal the oracle's exact reuse — the common prefix of turn 2's tokens with
     what was stored — and its answer equals a single server's that served both turns."""
     (cluster, single), tokenizer = deployments, Tokenizer.from_dir(demo_dir)
+    layers = json.loads((demo_dir / "config.json").read_text())["layer_types"]
+    assert "linear_attention" in layers  # Gated DeltaNet layers: the reuse restores recurrent state
     a, b = cluster.urls
     system = {"role": "system", "content": "You are a careful assistant. " * 20}
     turn1 = [system, {"role": "user", "content": "Tell me about the sea and the sky."}]
