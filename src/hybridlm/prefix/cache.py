@@ -41,6 +41,7 @@ from hybridlm.cache.base import LayerCache, Snapshot, tensor_bytes
 from hybridlm.cache.kv import KVCache, RowsSnapshot
 from hybridlm.cache.recurrent import ScanCache, ScanSnapshot
 from hybridlm.prefix.disk import CorruptFile, DiskTier, StoredNode, StoredSnapshot, monotonic_of, wall_clock
+from hybridlm.prefix.store import StoreTier, import_longer, publish_path
 from hybridlm.prefix.trie import Node, Trie
 
 log = logging.getLogger(__name__)
@@ -159,7 +160,9 @@ class PrefixCache:
 
     ram_budget: bytes of snapshots held in host memory (None: unbounded). disk: an optional
     `DiskTier` (a directory with its own byte budget) for demoted nodes; the files it already holds
-    for this model are adopted on construction (restart reuse). draft: a speculative draft model
+    for this model are adopted on construction (restart reuse). store: an optional `StoreTier` (a
+    Valkey / Redis server shared by replicas): a prefix the trie lacks is read from it before a
+    restore, and what a session computed is written to it after. draft: a speculative draft model
     (`CausalLM`) whose caches sessions restore too (`Session.draft`), within the same `ram_budget`.
     """
 
@@ -170,6 +173,7 @@ class PrefixCache:
         plan: CapturePlan | None = None,
         disk: DiskTier | None = None,
         draft=None,
+        store: StoreTier | None = None,
     ):
         self.model = model
         self.caches: list[LayerCache | None] = model.make_caches(1)
@@ -183,6 +187,7 @@ class PrefixCache:
         self.plan = plan or CapturePlan()
         self.stats = CacheStats()
         self.disk = disk
+        self.store = store
         self._session: Session | None = None
         self.draft = None if draft is None else PrefixCache(draft, ram_budget, self.plan)
         if disk is not None:
@@ -246,6 +251,8 @@ class PrefixCache:
             self._session.close()
         t0 = time.perf_counter()
         keep = tokens[: len(tokens) - 1]
+        if self.store is not None:
+            import_longer(self, keep)
         common = common_prefix(self.live, keep)
         path, matched, target, replayed = self._restore_best(keep, common)
         if target > 0:
@@ -367,6 +374,8 @@ class PrefixCache:
         self._insert(session.fed, bounds, pieces, hidden)
         self._session = None
         self.enforce_budget()
+        if self.store is not None:
+            publish_path(self, session.fed)
 
     def _abandon(self, session: Session) -> None:
         for i in self.layers:

@@ -342,5 +342,7 @@ def serve(
         if engine.prefix is not None:
             # Keep what the cache holds for the next start over the same --cache-dir.
             engine.prefix.persist()
+            if engine.prefix.store is not None:
+                engine.prefix.store.close()  # queued writes land (at most a few seconds)
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -152,6 +152,30 @@ def _prefix_cache(prefix):
     }
     for name, (help_text, value) in counters.items():
         yield _counter(name, help_text, [((), value)])
+    if prefix.store is not None:
+        yield from _store(prefix.store.stats)
+
+
+def _store(stats):
+    """The shared store tier's counters (`StoreStats`)."""
+    counters = {
+        "prefix_store_lookups": ("Lookups of a prompt in the shared store.", stats.lookups),
+        "prefix_store_fetched_nodes": ("Nodes read from the store and used.", stats.fetched_nodes),
+        "prefix_store_fetched_bytes": ("Bytes of entries read and used.", stats.fetched_bytes),
+        "prefix_store_writes": ("Nodes written to the shared store.", stats.writes),
+        "prefix_store_written_bytes": ("Bytes of entries written.", stats.written_bytes),
+        "prefix_store_dropped_writes": (
+            "Node writes dropped (queue full, store unreachable or full).",
+            stats.dropped_writes,
+        ),
+        "prefix_store_rejected_entries": (
+            "Entries found corrupted, truncated, another model's or evicted (deleted).",
+            stats.rejected_entries,
+        ),
+        "prefix_store_errors": ("Failed calls to the store server.", stats.errors),
+    }
+    for name, (help_text, value) in counters.items():
+        yield _counter(name, help_text, [((), value)])
 
 
 def _speculative(speculator):
