@@ -212,7 +212,9 @@ class Tokenizer:
         appended: prompts for generation never end in one. Rendered chat prompts already carry their BOS text,
         so encode them with ``add_special_tokens=False``.
         """
-        ids = self._backend.encode(text, add_special_tokens=False).ids
+        # encode_batch releases the GIL while it works; encode held it for the whole call in the
+        # server (a 15 MiB prompt: /health waited 12.8 s, 1.5 s with encode_batch, same ids).
+        ids = self._backend.encode_batch([text], add_special_tokens=False)[0].ids
         if add_special_tokens and self.add_bos_token:
             return [self.bos_token_id, *ids]
         return ids
