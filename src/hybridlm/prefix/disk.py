@@ -157,6 +157,35 @@ def _data_digest(tensors: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
+def encode_snapshots(snaps: dict[int, Snapshot]) -> tuple[dict[str, dict], dict[str, torch.Tensor]]:
+    """A node's snapshots by stateful layer -> (each layer's fields with its tensor names, the tensors
+    named `l{layer}.{name}`, contiguous on the CPU): what a node file or store entry holds. Lazy rows
+    come out as copies; the snapshots stay the caller's."""
+    layers, tensors = {}, {}
+    for i, snap in snaps.items():
+        fields, data = snap.to_state()
+        layers[str(i)] = {**fields, "tensors": sorted(data)}
+        for key, t in data.items():
+            tensors[f"l{i}.{key}"] = t.detach().to("cpu").contiguous()
+    return layers, tensors
+
+
+def decode_snapshots(
+    layers: dict[int, dict], tensors: dict[str, torch.Tensor], device
+) -> dict[int, Snapshot]:
+    """The inverse of `encode_snapshots` (layers keyed by int), on `device`. Raises CorruptFile when
+    the fields and the tensors do not fit together."""
+    try:
+        return {
+            i: KINDS[fields["kind"]].from_state(
+                fields, {key: tensors[f"l{i}.{key}"].to(device) for key in fields["tensors"]}
+            )
+            for i, fields in layers.items()
+        }
+    except (KeyError, TypeError, ValueError) as e:
+        raise CorruptFile(f"layers do not match the tensors ({e!r})") from None
+
+
 def _read_header(f, size: int) -> tuple[dict, int]:
     """(the safetensors header, the file size it describes) of a file of `size` bytes open at its
     start; a size that differs from `size` means a truncated (or padded) file."""
@@ -266,12 +295,7 @@ class DiskTier:
         write fails (see the module docstring); the snapshots are left as they were either way."""
         if self.failed is not None:
             return None
-        layers, tensors = {}, {}
-        for i, snap in snaps.items():
-            fields, data = snap.to_state()
-            layers[str(i)] = {**fields, "tensors": sorted(data)}
-            for key, t in data.items():
-                tensors[f"l{i}.{key}"] = t.detach().to("cpu").contiguous()
+        layers, tensors = encode_snapshots(snaps)
         if not reserve(sum(t.numel() * t.element_size() for t in tensors.values()), False):
             return None
         meta = {
@@ -321,15 +345,7 @@ class DiskTier:
             raise CorruptFile(str(e)) from None
         if _data_digest(tensors) != meta.get("data_digest"):
             raise CorruptFile("tensor data fails its digest")
-        try:
-            return {
-                i: KINDS[fields["kind"]].from_state(
-                    fields, {key: tensors[f"l{i}.{key}"].to(device) for key in fields["tensors"]}
-                )
-                for i, fields in stored.layers.items()
-            }
-        except (KeyError, TypeError) as e:
-            raise CorruptFile(f"layers do not match the tensors ({e})") from None
+        return decode_snapshots(stored.layers, tensors, device)
 
     def delete(self, name: str) -> None:
         """Remove an owned file (already gone: nothing to do; cannot be removed: left behind)."""

@@ -49,7 +49,14 @@ import valkey
 
 from hybridlm.cache.base import Snapshot
 from hybridlm.cache.kv import KVCache
-from hybridlm.prefix.disk import KINDS, CorruptFile, _data_digest, _header_digest, _read_header
+from hybridlm.prefix.disk import (
+    CorruptFile,
+    _data_digest,
+    _header_digest,
+    _read_header,
+    decode_snapshots,
+    encode_snapshots,
+)
 
 log = logging.getLogger(__name__)
 
@@ -299,18 +306,11 @@ class StoreTier:
             raise CorruptFile(str(e)) from None
         if _data_digest(tensors) != meta.get("data_digest"):
             raise CorruptFile("tensor data fails its digest")
-        try:
-            snaps = {}
-            for i, f in fields.items():
-                wanted = {**layers[i], "start": edge.start, "end": edge.end}
-                if any(f.get(k) != v for k, v in wanted.items()):
-                    raise CorruptFile(f"layer {i} does not cover the edge")
-                snaps[i] = KINDS[f["kind"]].from_state(
-                    f, {k: tensors[f"l{i}.{k}"].to(device) for k in f["tensors"]}
-                )
-            return snaps
-        except (KeyError, TypeError, ValueError) as e:
-            raise CorruptFile(f"layers do not match the tensors ({e!r})") from None
+        for i, f in fields.items():
+            wanted = {**layers[i], "start": edge.start, "end": edge.end}
+            if not isinstance(f, dict) or any(f.get(k) != v for k, v in wanted.items()):
+                raise CorruptFile(f"layer {i} does not cover the edge")
+        return decode_snapshots(fields, tensors, device)
 
     # ---- write ---------------------------------------------------------------------------
     def known(self, parent: str, key: str) -> bool:
@@ -331,14 +331,9 @@ class StoreTier:
         if not self._available():
             self.stats.dropped_writes += 1
             return False
-        layers, tensors = {}, {}
-        for i, snap in snaps.items():
-            fields, data = snap.to_state()
-            layers[str(i)] = {**fields, "tensors": sorted(data)}
-            for name, t in data.items():
-                # Snapshot tensors are never written in place (restores copy out of them) and lazy
-                # rows come out as copies, so holding references is safe.
-                tensors[f"l{i}.{name}"] = t.detach().to("cpu").contiguous()
+        # Snapshot tensors are never written in place (restores copy out of them) and lazy rows come
+        # out as copies, so holding references until the writer sends them is safe.
+        layers, tensors = encode_snapshots(snaps)
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         with self._lock:
             if self._queued_bytes + nbytes > self.queue_bytes:
