@@ -92,13 +92,16 @@ class Model:
         return list(self.stream(prompt_ids, max_tokens, temperature=temperature, seed=seed))
 
 
-def load_model(path: str | Path | None = None, dtype: torch.dtype | None = None, device=None) -> Model:
-    """Load a checkpoint directory (the embedded demo model when `path` is None)."""
+def load_model(
+    path: str | Path | None = None, dtype: torch.dtype | None = None, device=None, quantize: str | None = None
+) -> Model:
+    """Load a checkpoint directory (the embedded demo model when `path` is None); `quantize` ("int8" /
+    "int4") makes every linear layer weight-only quantized (see `models.quantized`)."""
     if path is None:
         from hybridlm.demo import demo_model_dir
 
         path = demo_model_dir()
     path = Path(path)
-    lm = load_weights(path, dtype=dtype, device=device)
+    lm = load_weights(path, dtype=dtype, device=device, quantize=quantize)
     tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").exists() else None
     return Model(lm, tokenizer, path)

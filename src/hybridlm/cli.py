@@ -11,6 +11,9 @@ from pathlib import Path
 
 import torch
 
+from hybridlm.models.random import PRESETS
+from hybridlm.ops.quant import QUANTIZATIONS
+
 log = logging.getLogger("hybridlm")
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
@@ -29,17 +32,70 @@ environment variables (a flag given on the command line wins):
   HYBRIDLM_MAX_BATCH_TOKENS --max-batch-tokens
   HYBRIDLM_CONTEXT_LENGTH   --context-length
   HYBRIDLM_GRACEFUL_TIMEOUT --graceful-timeout
+  HYBRIDLM_MAX_BODY         --max-body
+  HYBRIDLM_READ_TIMEOUT     --read-timeout
+  HYBRIDLM_MAX_CONNECTIONS  --max-connections
   HYBRIDLM_CACHE_RAM        --cache-ram
   HYBRIDLM_CACHE_DIR        --cache-dir
   HYBRIDLM_CACHE_DISK       --cache-disk
   HYBRIDLM_PREFIX_CACHE     set to 0 for --no-prefix-cache
   HYBRIDLM_SPECULATIVE      --speculative
   HYBRIDLM_DRAFT_MODEL      --draft-model
+  HYBRIDLM_QUANTIZE         --quantize
   HYBRIDLM_DRAFT_QUANTIZE   --draft-quantize
   HYBRIDLM_NUM_DRAFT        --num-draft
   HYBRIDLM_LOG_LEVEL        log level: DEBUG, INFO, WARNING (default), ERROR
   HYBRIDLM_DEMO_DIR         where the demo model is written (default ~/.cache/hybridlm/demo-model)
 """
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: `hybridlm serve: error: argument --port: ...` (its subcommand
+    parsers are of this class too), not the whole usage block."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _ranged(kind, low=None, high=None, low_open: bool = False, what: str | None = None):
+    """An argparse type: `kind(text)` within [low, high] ((low, high] with `low_open`)."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not {what or kind.__name__ + ' number'}: {text!r}") from None
+        below = low is not None and (value <= low if low_open else value < low)
+        if below or (high is not None and value > high):
+            bounds = f"{'(' if low_open else '['}{low if low is not None else '-inf'}, "
+            bounds += f"{high if high is not None else 'inf'}]"
+            raise argparse.ArgumentTypeError(f"must be in {bounds}, got {text}")
+        return value
+
+    return parse
+
+
+port = _ranged(int, 1, 65535, what="a port number")
+positive_int = _ranged(int, 1, what="an integer")
+non_negative_int = _ranged(int, 0, what="an integer")
+positive_float = _ranged(float, 0.0, low_open=True, what="a number")
+
+
+def device(text: str) -> str:
+    """A torch device this process can use ('cpu', 'cuda', 'cuda:1', 'mps'...)."""
+    try:
+        dev = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"not a torch device: {text!r}") from None
+    if dev.type == "cpu":
+        return text
+    backend = getattr(torch, dev.type, None) if dev.type != "mps" else torch.backends.mps
+    if backend is None or not backend.is_available():
+        raise argparse.ArgumentTypeError(f"{dev.type} is not available to this torch build / machine")
+    count = backend.device_count() if hasattr(backend, "device_count") else 1
+    if dev.index is not None and dev.index >= count:
+        raise argparse.ArgumentTypeError(f"{text}: this machine has {count} {dev.type} device(s)")
+    return text
 
 
 def setup_logging() -> None:
@@ -64,6 +120,13 @@ def _env(name: str, default: str | None = None) -> str | None:
     return os.environ.get(name, default)
 
 
+def quantization(text: str) -> str:
+    """A --quantize value (checked here, so a bad HYBRIDLM_QUANTIZE is reported like a bad flag)."""
+    if text not in QUANTIZATIONS:
+        raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from {', '.join(QUANTIZATIONS)})")
+    return text
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
@@ -74,7 +137,18 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dtype", choices=sorted(DTYPES), default=None, help="weight and activation dtype (default bfloat16)"
     )
-    p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    p.add_argument(
+        "--device", type=device, default=None, help="torch device (default: cuda if available, else cpu)"
+    )
+    p.add_argument(
+        "--quantize",
+        type=quantization,
+        metavar="{" + ",".join(QUANTIZATIONS) + "}",
+        default=_env("HYBRIDLM_QUANTIZE"),
+        help="weight-only quantization of every linear layer on load, LM head included (int8: per "
+        "output channel; int4: groups of 64); a checkpoint written by `hybridlm quantize` loads "
+        "quantized without it [env HYBRIDLM_QUANTIZE]",
+    )
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
@@ -125,7 +199,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--prefill-chunk",
-        type=int,
+        type=positive_int,
         default=_env("HYBRIDLM_PREFILL_CHUNK", "512"),
         help="most prompt tokens per forward pass (default 512) [env HYBRIDLM_PREFILL_CHUNK]",
     )
@@ -146,7 +220,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--context-length",
-        type=int,
+        type=_ranged(int, 2, what="an integer"),
         default=_env("HYBRIDLM_CONTEXT_LENGTH"),
         help="most tokens (prompt + output) per request; longer prompts are refused "
         "(default: the model's max_position_embeddings) [env HYBRIDLM_CONTEXT_LENGTH]",
@@ -171,9 +245,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--draft-quantize",
-        choices=["int8"],
+        choices=QUANTIZATIONS,
         default=_env("HYBRIDLM_DRAFT_QUANTIZE"),
-        help="quantize the draft model's linear layers on load (int8: weight-only, per-channel scales) "
+        help="quantize the draft model's linear layers on load (weight-only, as --quantize) "
         "[env HYBRIDLM_DRAFT_QUANTIZE]",
     )
     p.add_argument(
@@ -201,7 +275,7 @@ def load(args):
             path = demo_model_dir()
         bar.update()
         bar.set_postfix_str("weights")
-        model = load_model(path, dtype=DTYPES.get(args.dtype), device=args.device)
+        model = load_model(path, dtype=DTYPES.get(args.dtype), device=args.device, quantize=args.quantize)
         bar.update()
         bar.set_postfix_str("warm-up")
         model.warm_up()
@@ -263,7 +337,12 @@ def make_engine(model, args):
         with serial_setup():
             disk = None
             if args.cache_dir:
-                disk = DiskTier(args.cache_dir, args.cache_disk, model_fingerprint(model.lm))
+                try:
+                    disk = DiskTier(args.cache_dir, args.cache_disk, model_fingerprint(model.lm))
+                except OSError as e:  # a file of that name, no permission to create it...
+                    log.warning(
+                        "prefix cache: --cache-dir %s is unusable (%s); no disk tier", args.cache_dir, e
+                    )
             # A draft model keeps caches of its own: the prefix cache stores them too (an assistant, MTP
             # heads and n-grams keep none).
             drafter = speculative.make_drafter if speculative is not None else None
@@ -282,43 +361,107 @@ def make_engine(model, args):
     )
 
 
-def cmd_serve(args) -> int:
-    from hybridlm.server import serve
+def summary(model, engine, args, kernel_fallbacks: list[str]) -> str:
+    """One line saying what was loaded and how it will run."""
+    lm = model.lm
+    params = sum(p.numel() for p in lm.parameters())
+    dtype = str(next(lm.parameters()).dtype).removeprefix("torch.")
+    if os.environ.get("HYBRIDLM_COMPILE", "1") == "0":
+        kernels = "off (HYBRIDLM_COMPILE=0)"
+    elif kernel_fallbacks:
+        kernels = "fell back to torch for " + ", ".join(kernel_fallbacks)
+    else:
+        kernels = "compiled"
+    prefix = engine.prefix
+    if prefix is None:
+        cache = "off"
+    else:
+        cache = f"ram {args.cache_ram / 2**20:.0f} MiB"
+        if prefix.disk is not None:
+            cache += f", disk {args.cache_disk / 2**20:.0f} MiB at {prefix.disk.directory}"
+    return (
+        f"hybridlm: loaded {lm.config.get('model_type', type(lm).__name__)} from {model.path} "
+        f"({params / 1e6:.1f}M parameters, {dtype}, {lm.device}, {torch.get_num_threads()} threads; "
+        f"kernels {kernels}; prefix cache {cache}; speculative {args.speculative or 'off'}; "
+        f"context {engine.context_length} tokens)"
+    )
 
-    model = load(args)
-    name = args.model_name or (DEMO_MODEL_NAME if args.model is None else model.path.name)
-    engine = make_engine(model, args)
+
+class _KernelFallbacks(logging.Handler):
+    """Collects the kernels that could not be built (ops.native warns once for each)."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.names: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.args:
+            self.names.append(str(record.args[0]))
+
+
+def cmd_serve(args) -> int:
+    from hybridlm.server import Limits, serve
+    from hybridlm.server.lifecycle import listen
+
+    try:  # before loading: a port in use fails at once
+        sock = listen(args.host, args.port)
+    except OSError as e:
+        raise SystemExit(f"hybridlm: cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
+    fallbacks = _KernelFallbacks()
+    native_log = logging.getLogger("hybridlm.ops.native")
+    native_log.addHandler(fallbacks)
+    try:
+        model = load(args)
+        name = args.model_name or (DEMO_MODEL_NAME if args.model is None else model.path.name)
+        engine = make_engine(model, args)
+    finally:
+        native_log.removeHandler(fallbacks)
+    print(summary(model, engine, args, fallbacks.names), file=sys.stderr)
     auth = " (API key required)" if args.api_key else ""
-    print(
-        f"hybridlm: serving {name!r} at http://{args.host}:{args.port}/v1{auth}; Ctrl-C stops",
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    announce = lambda: print(
+        f"hybridlm: serving {name!r} at http://{host}:{args.port}/v1{auth}; Ctrl-C stops",
         file=sys.stderr,
+        flush=True,
     )
     serve(
         engine,
         name,
-        host=args.host,
-        port=args.port,
+        sock,
         api_key=args.api_key or None,
         graceful_timeout=args.graceful_timeout,
+        limits=Limits(max_body=args.max_body, read_timeout=args.read_timeout),
+        max_connections=args.max_connections,
+        announce=announce,
     )
     return 0
 
 
-def cmd_chat(args) -> int:
+def sampling_params(**given):
+    """`SamplingParams` checked as the server checks them; a bad value ends the command in one line."""
     from hybridlm.engine import InvalidParameter, SamplingParams
+
+    try:
+        return SamplingParams(**given)
+    except InvalidParameter as e:
+        raise SystemExit(f"hybridlm: --{e.param.replace('_', '-')}: {e}") from None
+
+
+def cmd_chat(args) -> int:
+    from hybridlm.engine import InvalidParameter
 
     with contextlib.suppress(ImportError):
         import readline  # noqa: F401 - line editing and history for input()
 
-    model = load(args)
-    tokenizer = model.tokenizer
-    params = SamplingParams(
+    params = sampling_params(
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
         seed=args.seed,
         max_tokens=args.max_tokens,
     )
+    model = load(args)
+    tokenizer = model.tokenizer
     start = [{"role": "system", "content": args.system}] if args.system else []
     template_kwargs = {"enable_thinking": False} if args.no_think else {}
     messages = list(start)
@@ -363,6 +506,7 @@ def cmd_chat(args) -> int:
 def cmd_generate(args) -> int:
     from hybridlm.models.tokenizer import IncrementalDecoder
 
+    sampling_params(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
     model = load(args)
     text = args.prompt
     if args.chat:
@@ -383,7 +527,29 @@ def cmd_generate(args) -> int:
 def cmd_demo_model(args) -> int:
     from hybridlm.demo import write_demo_model
 
-    print(write_demo_model(args.out))
+    try:
+        print(write_demo_model(args.out))
+    except OSError as e:
+        raise SystemExit(
+            f"hybridlm: --out {args.out}: cannot write the demo model ({e.strerror or e})"
+        ) from None
+    return 0
+
+
+def cmd_quantize(args) -> int:
+    from hybridlm import load_model
+    from hybridlm.models.quantized import save_quantized
+
+    if args.quantize is None:
+        raise SystemExit("hybridlm quantize: --quantize int8 or int4 is required")
+    path = args.model
+    if path is None:
+        from hybridlm.demo import demo_model_dir
+
+        path = demo_model_dir()
+    model = load_model(path, dtype=DTYPES.get(args.dtype), device="cpu", quantize=args.quantize)
+    out = save_quantized(model.lm, path, args.out)
+    print(f"wrote {args.quantize} checkpoint to {out}")
     return 0
 
 
@@ -391,6 +557,12 @@ def cmd_bench_forward(args) -> int:
     from hybridlm.bench import forward
 
     return forward.main(args)
+
+
+def cmd_bench_quality(args) -> int:
+    from hybridlm.bench import quality
+
+    return quality.main(args)
 
 
 def cmd_bench_multiturn(args) -> int:
@@ -426,9 +598,10 @@ def cmd_bench_serve(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="hybridlm", description="Inference engine for hybrid language models."
-    )
+    from hybridlm import __version__
+
+    parser = Parser(prog="hybridlm", description="Inference engine for hybrid language models.")
+    parser.add_argument("--version", action="version", version=f"hybridlm {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     raw = argparse.RawDescriptionHelpFormatter
 
@@ -456,7 +629,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--port",
-        type=int,
+        type=port,
         default=_env("HYBRIDLM_PORT", "8000"),
         help="TCP port (default 8000) [env HYBRIDLM_PORT]",
     )
@@ -469,16 +642,36 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(s)
     s.add_argument(
         "--max-queue",
-        type=int,
+        type=non_negative_int,
         default=_env("HYBRIDLM_MAX_QUEUE", "64"),
         help="most requests waiting for the engine; more get HTTP 429 (default 64) [env HYBRIDLM_MAX_QUEUE]",
     )
     s.add_argument(
         "--graceful-timeout",
-        type=float,
+        type=_ranged(float, 0.0, what="a number"),
         default=_env("HYBRIDLM_GRACEFUL_TIMEOUT", "30"),
         help="seconds running requests may finish after SIGTERM / Ctrl-C before they are cancelled "
         "(default 30) [env HYBRIDLM_GRACEFUL_TIMEOUT]",
+    )
+    s.add_argument(
+        "--max-body",
+        type=byte_size,
+        default=_env("HYBRIDLM_MAX_BODY", "16M"),
+        help="largest request body; larger ones get HTTP 413 (default 16M) [env HYBRIDLM_MAX_BODY]",
+    )
+    s.add_argument(
+        "--read-timeout",
+        type=positive_float,
+        default=_env("HYBRIDLM_READ_TIMEOUT", "30"),
+        help="seconds a client has to send a request's head, and each part of its body (then the "
+        "connection is closed / HTTP 408) (default 30) [env HYBRIDLM_READ_TIMEOUT]",
+    )
+    s.add_argument(
+        "--max-connections",
+        type=positive_int,
+        default=_env("HYBRIDLM_MAX_CONNECTIONS", "256"),
+        help="open connections beyond which requests get HTTP 503 (default 256) "
+        "[env HYBRIDLM_MAX_CONNECTIONS]",
     )
     s.set_defaults(func=cmd_serve)
 
@@ -531,12 +724,23 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--out", required=True, help="directory to write")
     d.set_defaults(func=cmd_demo_model)
 
+    q = sub.add_parser(
+        "quantize",
+        help="write a quantized checkpoint (quantize once, load it quantized)",
+        description="Quantize every linear layer of --model by --quantize and write the result as a "
+        "checkpoint directory (safetensors; layout in docs/architecture.md) to --out.",
+    )
+    add_model_args(q)
+    q.add_argument("--out", required=True, help="directory to write")
+    q.set_defaults(func=cmd_quantize)
+
     b = sub.add_parser(
         "bench",
         help="measure speed next to the machine's limits",
-        description="Benchmarks: `forward` (model speed beside the machine's limits), `speculative` "
-        "(speculative vs plain decoding), `serve` "
-        "(the HTTP server beside the engine alone).",
+        description="Benchmarks: `forward` (model speed beside the machine's limits), `quality` "
+        "(quantized against bf16 weights), `serve` (the HTTP server beside the engine alone), "
+        "`multiturn` (prefix-cache reuse on chat / agent traces), `restore` (restoring a cached prefix "
+        "vs recomputing it), `speculative` (speculative vs plain decoding). Each has its own --help.",
     )
     bench = b.add_subparsers(dest="what", required=True)
     f = bench.add_parser(
@@ -558,6 +762,26 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--decode", type=int, default=32, help="decode steps to time (default 32)")
     add_bench_args(f)
     f.set_defaults(func=cmd_bench_forward)
+
+    ql = bench.add_parser(
+        "quality",
+        help="KL divergence and top-1 agreement of quantized weights against bf16",
+        description="Run the same token sequences through the bf16 model and its int8 / int4 "
+        "quantizations (--quantize picks one) and report KL(bf16 || quantized) of the next-token "
+        "distributions and top-1 agreement over every position.",
+    )
+    add_model_args(ql)
+    ql.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default=None,
+        help="use a random-weight checkpoint of this published shape (written once to the cache dir)",
+    )
+    ql.add_argument("--tokens", type=int, default=4096, help="positions compared (default 4096)")
+    ql.add_argument("--context", type=int, default=512, help="tokens per sequence (default 512)")
+    ql.add_argument("--seed", type=int, default=0, help="seed of the random token sequences")
+    add_bench_args(ql)
+    ql.set_defaults(func=cmd_bench_quality)
 
     v = bench.add_parser(
         "serve",
@@ -661,7 +885,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="checkpoint directory of a draft model (same tokenizer) or of a Gemma 4 assistant",
     )
     sp.add_argument(
-        "--draft-quantize", choices=["int8"], default=None, help="quantize the draft model on load"
+        "--draft-quantize", choices=QUANTIZATIONS, default=None, help="quantize the draft model on load"
     )
     sp.add_argument(
         "--mtp", action="store_true", help="also draft with the checkpoint's multi-token-prediction head"

@@ -13,7 +13,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from hybridlm.batch import Batch
 from hybridlm.models import load_model
-from hybridlm.prefix.cache import CapturePlan, PrefixCache, common_prefix
+from hybridlm.prefix.cache import CapturePlan, PrefixCache, Session, common_prefix
 
 KINDS = ["qwen3_5_text", "lfm2", "gemma3_text", "gemma4_text", "dense_llama"]
 
@@ -244,3 +244,33 @@ def test_live_state_outliving_its_evicted_nodes_never_attaches_across_a_gap(chec
     again, logits = serve(pc, model, longer[:25] + tokens(rng, 4), generate=1)
     expected = full_logits_last(model, again.prompt)
     assert (logits - expected).abs().max().item() <= 2e-5 * expected.abs().max().item()
+
+
+def owned_bytes(pc: PrefixCache) -> int:
+    """Bytes the prefix cache's snapshots own right now: the trie's in RAM and the captures a running
+    prefill has taken but not yet handed over."""
+    pending = sum(s.nbytes for i in pc.layers for s in pc.caches[i].captures())
+    return sum(node.nbytes for node in pc.trie.nodes()) + pending
+
+
+@pytest.mark.parametrize("name", ["qwen3_5_text", "gemma3_text"])
+def test_budget_holds_at_every_forward_during_requests(checkpoints, name, monkeypatch):
+    """Captures taken inside a prefill count before they are kept, and rows a lazy trie snapshot names
+    count before the live buffer overwrites them: after every forward of every request, the RAM the
+    snapshots own — and the figure reported — stay within the budget."""
+    model = load_model(checkpoints(name).path, dtype=torch.float32, device="cpu")
+    budget = 300_000
+    pc = PrefixCache(model, ram_budget=budget, plan=CapturePlan(cadence=16, tail=(1,)))
+    seen = []
+    real = Session.advance
+
+    def advance(session, ids, hidden=None):
+        real(session, ids, hidden)
+        seen.append((owned_bytes(pc), pc.ram_bytes))
+
+    monkeypatch.setattr(Session, "advance", advance)
+    for prompt in list(scenario(random.Random(9))) * 2:
+        serve(pc, model, prompt, generate=4)
+    assert max(owned for owned, _ in seen) <= budget
+    assert max(reported for _, reported in seen) <= budget
+    assert pc.stats.evicted_nodes > 0

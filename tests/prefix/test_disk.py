@@ -3,7 +3,9 @@ reuses the directory, another model's or a damaged file is never used, and both 
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
 import random
 import shutil
 import tempfile
@@ -17,7 +19,7 @@ from hypothesis.stateful import invariant, rule
 
 from hybridlm.models import load_model
 from hybridlm.prefix.cache import CapturePlan, PrefixCache
-from hybridlm.prefix.disk import DiskTier, StoredSnapshot, model_fingerprint
+from hybridlm.prefix.disk import DISK_FULL, DiskTier, StoredSnapshot, model_fingerprint
 from tests.prefix.test_cache import Oracle, PrefixMachine, full_logits_last, scenario, serve, tokens
 
 KINDS = ["qwen3_5_text", "gemma3_text", "lfm2"]  # GDN + attention, sliding window, short conv
@@ -229,7 +231,87 @@ def test_a_vanished_directory_degrades_to_ram(checkpoints, tmp_path, caplog):
             _, first = serve(pc, model, prompt, generate=4)
             assert pc.ram_bytes <= ram
             assert_recomputed(model, prompt, first)
-    assert any("could not write" in m for m in warnings_of(caplog))
+    assert sum("failed" in m for m in warnings_of(caplog)) == 1
+
+
+def fail_writes(monkeypatch, directory: Path, code: int) -> None:
+    """Writes (and, unless the disk is merely full, deletions) under `directory` fail with OSError
+    `code`, as on a full or read-only file system. (Patched at the calls the tier makes: the tests
+    run as root, which file permissions do not stop.)"""
+    real_open, real_unlink = Path.open, Path.unlink
+
+    def check(path: Path) -> None:
+        if path.resolve().is_relative_to(directory.resolve()):
+            raise OSError(code, os.strerror(code), str(path))
+
+    def open_(self, mode="r", *args, **kwargs):
+        if set(mode) & set("wax+"):
+            check(self)
+        return real_open(self, mode, *args, **kwargs)
+
+    def unlink(self, missing_ok=False):
+        if code not in DISK_FULL:
+            check(self)
+        return real_unlink(self, missing_ok)
+
+    monkeypatch.setattr(Path, "open", open_)
+    monkeypatch.setattr(Path, "unlink", unlink)
+
+
+def test_a_read_only_directory_stops_writes_with_one_warning(checkpoints, tmp_path, caplog, monkeypatch):
+    """Once writes fail for good, the cache goes on in RAM (its budget holding, restores exact) and
+    says so once; the files already there are still read (and left behind, as they cannot be deleted)."""
+    model = load(checkpoints, "qwen3_5_text")
+    directory, ram = tmp_path / "cache", 150_000
+    pc = PrefixCache(
+        model, ram_budget=ram, plan=CapturePlan(cadence=16, tail=(1,)), disk=tier(model, directory)
+    )
+    prompts = list(scenario(random.Random(9)))
+    for prompt in prompts[:4]:
+        serve(pc, model, prompt, generate=4)
+    assert pc.disk_nodes
+    fail_writes(monkeypatch, directory, errno.EROFS)
+    with caplog.at_level(logging.WARNING):
+        for prompt in prompts[4:]:
+            _, first = serve(pc, model, prompt, generate=4)
+            assert pc.ram_bytes <= ram
+            assert_recomputed(model, prompt, first)
+        assert pc.persist() == 0
+    messages = warnings_of(caplog)
+    assert sum("failed" in m for m in messages) == 1, messages
+    assert sum("could not delete" in m for m in messages) <= 1, messages
+    assert pc.disk.failed is not None and pc.stats.disk_reads > 0
+
+
+def test_a_full_disk_warns_once_a_minute(checkpoints, tmp_path, caplog, monkeypatch):
+    model = load(checkpoints, "qwen3_5_text")
+    directory, ram = tmp_path / "cache", 150_000
+    pc = PrefixCache(
+        model, ram_budget=ram, plan=CapturePlan(cadence=16, tail=(1,)), disk=tier(model, directory)
+    )
+    fail_writes(monkeypatch, directory, errno.ENOSPC)
+    with caplog.at_level(logging.WARNING):
+        for prompt in scenario(random.Random(9)):
+            serve(pc, model, prompt, generate=4)
+            assert pc.ram_bytes <= ram
+    messages = warnings_of(caplog)
+    assert pc.stats.evicted_nodes > 1 and pc.disk_nodes == 0
+    assert [m for m in messages if "full" in m] == messages and len(messages) == 1, messages
+    assert pc.disk.failed is None  # a full disk may get room again: writes go on being tried
+
+
+def test_a_leftover_temp_file_in_a_read_only_directory(checkpoints, tmp_path, caplog, monkeypatch):
+    model = load(checkpoints, "qwen3_5_text")
+    directory = tmp_path / "cache"
+    directory.mkdir()
+    leftover = directory / f".{model_fingerprint(model)}.node-x.safetensors.tmp"
+    leftover.write_bytes(b"torn")
+    fail_writes(monkeypatch, directory, errno.EROFS)
+    with caplog.at_level(logging.WARNING):
+        pc = PrefixCache(model, ram_budget=1 << 20, disk=tier(model, directory))
+    (message,) = warnings_of(caplog)
+    assert "leftover temporary file" in message and leftover.exists()
+    serve(pc, model, tokens(random.Random(1), 40), generate=2)
 
 
 class DiskMachine(PrefixMachine):

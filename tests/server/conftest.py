@@ -120,9 +120,28 @@ def processes(demo_dir, tmp_path_factory):
         },
         logs / "small.log",
     )
-    yield {"main": main, "small": small}
+    # Tight limits, for the hardening tests and the fuzzing (a short context keeps generations short).
+    guarded = ServerProcess(
+        [
+            "--model",
+            str(demo_dir),
+            "--model-name",
+            MODEL,
+            "--max-body",
+            "64K",
+            "--read-timeout",
+            "2",
+            "--max-connections",
+            "4",
+            "--context-length",
+            "64",
+        ],
+        {},
+        logs / "guarded.log",
+    )
+    yield {"main": main, "small": small, "guarded": guarded}
     # Stop every server before checking any, so a failing check never leaves a process behind.
-    codes = {p.log: p.stop() for p in (main, small)}
+    codes = {p.log: p.stop() for p in (main, small, guarded)}
     for log, code in codes.items():
         assert code == 0, log.read_text()
 
@@ -138,6 +157,11 @@ def small_server(processes) -> ServerProcess:
 
 
 @pytest.fixture(scope="session")
+def guarded(processes) -> ServerProcess:
+    return processes["guarded"].ready()
+
+
+@pytest.fixture(scope="session")
 def client(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
 
@@ -145,3 +169,14 @@ def client(server) -> openai.OpenAI:
 @pytest.fixture(scope="session")
 def auth() -> dict[str, str]:
     return {"Authorization": f"Bearer {API_KEY}"}
+
+
+@pytest.fixture(scope="session")
+def demo_engine(demo_dir):
+    """An engine on the demo model in this process, for tests that inject faults (monkeypatching)."""
+    import hybridlm
+    from hybridlm.engine import Engine
+
+    model = hybridlm.load_model(demo_dir)
+    with Engine(model.lm, model.tokenizer, context_length=256) as engine:
+        yield engine

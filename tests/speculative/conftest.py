@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from hybridlm.models import load_model
-from hybridlm.ops.linear import quantize_int8_
+from hybridlm.ops.quant import quantize_
 
 
 @pytest.fixture(autouse=True)
@@ -22,7 +22,7 @@ def models(checkpoints):
     def get(name: str, int8: bool = False):
         if (name, int8) not in made:
             model = load_model(checkpoints(name).path, dtype=torch.float32, device="cpu")
-            made[name, int8] = quantize_int8_(model) if int8 else model
+            made[name, int8] = quantize_(model, "int8") if int8 else model
         return made[name, int8]
 
     return get

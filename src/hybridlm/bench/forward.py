@@ -25,7 +25,7 @@ def preset_dir(preset: str) -> Path:
     """A random checkpoint of a published shape, written once under the user cache directory."""
     from hybridlm.models.random import PRESETS, write_random_checkpoint
 
-    base = Path(os.environ.get("HYBRIDLM_CACHE_DIR") or Path.home() / ".cache" / "hybridlm")
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hybridlm"
     out = base / "presets" / preset
     if not (out / "config.json").exists():
         print(f"writing random {preset} checkpoint to {out} ...", flush=True)
@@ -36,26 +36,30 @@ def preset_dir(preset: str) -> Path:
 
 
 def weight_bytes_per_token(model) -> int:
-    """Bytes of weights a decode step reads: every parameter except the embedding table (one row
-    read), with a tied LM head counted once."""
-    seen, total = set(), 0
+    """Bytes of weights a decode step reads: every parameter and quantized layer's buffers except
+    the embedding table (one row read), which a tied bf16 LM head reads whole (counted once)."""
     emb = model.model.embed_tokens.weight
-    for p in model.parameters():
-        if id(p) in seen:
-            continue
-        seen.add(id(p))
-        total += p.numel() * p.element_size()
-    if not model.tied:
-        total -= emb.numel() * emb.element_size()
+    head_reads_table = getattr(model.lm_head, "weight", None) is emb
+    seen, total = {id(emb)}, emb.numel() * emb.element_size() if head_reads_table else 0
+    for t in (*model.parameters(), *model.buffers()):
+        if id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
     return total
 
 
 def prefill_flops_per_token(model) -> int:
-    """2 × parameters used per prefill token (embedding lookup and LM head excluded)."""
-    params = sum(
-        p.numel() for n, p in model.named_parameters() if not n.startswith(("lm_head", "model.embed_tokens"))
-    )
-    return 2 * params
+    """2 × weights used per prefill token (embedding lookup and LM head excluded)."""
+    from hybridlm.ops.quant import QuantLinear
+
+    weights = 0
+    for name, module in model.named_modules():
+        if name.startswith(("lm_head", "model.embed_tokens")):
+            continue
+        weights += sum(p.numel() for p in module.parameters(recurse=False))
+        if isinstance(module, QuantLinear):
+            weights += module.in_features * module.out_features
+    return 2 * weights
 
 
 def _sync(device) -> None:
@@ -109,7 +113,7 @@ def load_bench_model(args):
     dtype = {"float32": torch.float32, "fp32": torch.float32}.get(args.dtype or "", torch.bfloat16)
     print(f"loading {path} ...", flush=True)
     with serial_setup():
-        return load_model(path, dtype=dtype, device=args.device), path, dtype
+        return load_model(path, dtype=dtype, device=args.device, quantize=args.quantize), path, dtype
 
 
 def main(args) -> int:
@@ -125,6 +129,7 @@ def main(args) -> int:
     report = {
         "model": str(path),
         "dtype": str(dtype).removeprefix("torch."),
+        "quantize": (getattr(model, "quantization", None) or {}).get("scheme"),
         "device": str(device),
         "threads": torch.get_num_threads(),
         "bandwidth_gbs": bandwidth,
@@ -151,7 +156,8 @@ def main(args) -> int:
         f"{report['threads']} threads, {device}"
     )
     gb, gflop = wbytes / 1e9, flops / 1e9
-    print(f"model: {gb:.3f} GB weights read per decode token, {gflop:.2f} GFLOP per prefill token")
+    weights = f"{report['quantize']} weights" if report["quantize"] else "weights"
+    print(f"model: {gb:.3f} GB {weights} read per decode token, {gflop:.2f} GFLOP per prefill token")
     print(f"{'phase':<14}{'tok/s':>10}{'limit':>10}{'of limit':>10}")
     for length, r in report["prefill"].items():
         share = r["tok_s"] / r["limit_tok_s"]

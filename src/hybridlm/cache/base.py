@@ -103,6 +103,14 @@ class LayerCache(ABC):
         caps, self._captures, self._scheduled = self._captures, [], []
         return caps
 
+    def captures(self) -> tuple[Snapshot, ...]:
+        """Captures made since `prepare_snapshots`, not yet taken (their owner counts their bytes)."""
+        return tuple(self._captures)
+
+    def compact_captures(self) -> None:
+        """Replace the captures not yet taken by their `compact` forms (e.g. to fit a memory budget)."""
+        self._captures = [self.compact(s) for s in self._captures]
+
     def give_back(self, snaps: list[Snapshot]) -> None:
         """Put captures taken with `take_snapshots` back, before any made since, for their owner to
         take: a forward that schedules restore points of its own sets the others aside meanwhile."""

@@ -122,6 +122,10 @@ class Engine:
         always admitted). Default: half of the memory available at start.
     """
 
+    # `health_problem` calls the engine stalled when it holds work yet no forward pass or scheduling
+    # round has ended for this long (seconds; a forward of one prefill chunk takes far less).
+    stall_seconds = 120.0
+
     def __init__(
         self,
         model: CausalLM,
@@ -168,6 +172,8 @@ class Engine:
         self._running: list[_Running] = []
         self._wake = threading.Condition()
         self._closed = False
+        self._progress = time.monotonic()  # when the worker last finished a unit of work
+        self._failed = False  # the worker ended on an error outside any request
         keep_freed_memory()
         self._threads = torch.get_num_threads()
         self._thread = threading.Thread(target=self._loop, name="hybridlm-engine", daemon=True)
@@ -187,6 +193,8 @@ class Engine:
                     f"server busy: {len(self._queue)} requests are waiting (limit {self.max_queue})"
                 )
             request = Request(list(prompt_ids), params, sink, on_cancel=self._notify)
+            if not self._queue and not self._running:  # the idle time before is no stall
+                self._progress = time.monotonic()
             self._queue.append(request)
             self._wake.notify()
         log.debug(
@@ -249,6 +257,14 @@ class Engine:
     def memory_occupancy(self) -> float:
         """Share of `max_memory` the running sequences' admission reserved."""
         return self._reserved / self.max_memory if self.max_memory else 0.0
+    def health_problem(self) -> str | None:
+        """None while the engine serves; else why it cannot: its worker thread has ended, or it has
+        had work for `stall_seconds` without finishing a forward pass."""
+        if self._failed or not self._thread.is_alive():
+            return "engine closed" if self._closed and not self._failed else "engine thread dead"
+        if (self._running or self._queue) and time.monotonic() - self._progress > self.stall_seconds:
+            return "engine stalled"
+        return None
 
     def close(self, timeout: float | None = 30.0) -> None:
         """Stop accepting requests, cancel the waiting and running ones, and stop the worker thread."""
@@ -277,15 +293,26 @@ class Engine:
         torch.set_flush_denormal(True)
         # OpenMP's team size is per thread; the creator's setting may have been made elsewhere.
         torch.set_num_threads(self._threads)
-        while True:
-            batch = self._schedule()
-            if batch is None:
-                return
-            t0 = time.perf_counter()
-            outputs = self._step(batch)
-            with self.stats.lock:
-                self.stats.step_seconds.observe(time.perf_counter() - t0)
-            self._emit(outputs)
+        try:
+            while True:
+                batch = self._schedule()
+                if batch is None:
+                    return
+                t0 = time.perf_counter()
+                outputs = self._step(batch)
+                with self.stats.lock:
+                    self.stats.step_seconds.observe(time.perf_counter() - t0)
+                self._emit(outputs)
+                self._progress = time.monotonic()
+        except Exception as e:  # a bug outside any one request: fail every request rather than hang
+            log.exception("event=engine_failed")
+            with self._wake:
+                self._closed = self._failed = True
+                stranded = [*self._queue, *(r.request for r in self._running)]
+                self._queue.clear()
+                self._running.clear()
+            for request in stranded:
+                self._deliver(request, Event(finish_reason=ERROR, error=f"engine failed: {type(e).__name__}"))
 
     def _schedule(self) -> list[_Running] | None:
         """Admit queued requests up to `max_running`; block while there is nothing to do.
@@ -434,12 +461,23 @@ class Engine:
                 if running.speculation is not None:
                     running.speculation.close()
                 if running.session is not None:
-                    # A failed forward may have left layers at different offsets: drop that state.
-                    if event.finish_reason == ERROR:
-                        running.session.abandon()
-                    else:
-                        running.session.close()
+                    self._end_session(running.session, event.finish_reason)
             self._deliver(running.request, event)
+
+    @staticmethod
+    def _end_session(session: Session, reason: str | None) -> None:
+        """Hand a finished request's work to the prefix cache; if that fails (a bug), the cache drops
+        the session's state instead and the engine serves on."""
+        try:
+            # A failed forward may have left layers at different offsets: drop that state.
+            if reason == ERROR:
+                session.abandon()
+            else:
+                session.close()
+        except Exception:
+            log.exception("event=prefix_cache_failed action=abandon")
+            session.closed = False  # close() marked it closed before failing: abandon must run
+            session.abandon()
 
     def _deliver(self, request: Request, event: Event) -> None:
         try:
@@ -499,6 +537,7 @@ class Engine:
             logits, hidden = self.model(batch, caches, hidden=spec.hidden_rows)
             hidden = hidden[0]
             spec.observe(offset, ids, hidden)
+        self._progress = time.monotonic()
         if running.session is not None:
             running.session.advance(ids, hidden if spec is not None and spec.keeps_hidden else None)
         return logits

@@ -46,6 +46,12 @@ class Histogram:
         self.sum += value
         self.count += 1
 
+    def copy(self) -> Histogram:
+        """An independent copy (readers copy under the stats lock, then render unlocked)."""
+        out = Histogram(self.buckets, sum=self.sum, count=self.count)
+        out.counts = list(self.counts)
+        return out
+
     def cumulative(self) -> list[int]:
         out, total = [], 0
         for c in self.counts:

@@ -88,7 +88,7 @@ class CausalLM(nn.Module):
 
     @property
     def vocab_size(self) -> int:
-        return self.lm_head.weight.shape[0]
+        return self.lm_head.out_features
 
     def make_caches(self, batch_size: int = 1) -> list[LayerCache | None]:
         return [layer.make_cache(batch_size, self.dtype, self.device) for layer in self.model.layers]

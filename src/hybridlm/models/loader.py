@@ -130,13 +130,28 @@ def placed(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.T
     return out.copy_(t)
 
 
-def load_model(path: str | Path, dtype: torch.dtype | None = None, device=None) -> CausalLM:
-    """Build the family named by config.json and load its weights (bf16 unless `dtype` says)."""
+def load_model(
+    path: str | Path, dtype: torch.dtype | None = None, device=None, quantize: str | None = None
+) -> CausalLM:
+    """Build the family named by config.json and load its weights (bf16 unless `dtype` says).
+
+    quantize: "int8" / "int4" quantizes every linear layer on load (`models.quantized`); a
+    checkpoint written by `save_quantized` loads quantized as it was saved (`quantize` must then be
+    None or its scheme)."""
+    from hybridlm.models.quantized import is_quantized, load_quantized, quantize_model
+
     root = Path(path)
     if not root.is_dir():
         raise CheckpointError(f"{root}: not a checkpoint directory")
     raw = read_json(root / "config.json")
-    return load_weights(family_for(raw, root), root, raw, dtype, device)
+    cls = family_for(raw, root)
+    if is_quantized(raw):
+        saved = raw["quantization_config"].get("scheme")
+        if quantize not in (None, saved):
+            raise CheckpointError(f"{root}: already quantized as {saved}; cannot load it as {quantize}")
+        return load_quantized(cls, root, raw, dtype, device)
+    model = load_weights(cls, root, raw, dtype, device)
+    return model if quantize is None else quantize_model(model, quantize)
 
 
 def load_weights(cls, root: Path, raw: dict, dtype: torch.dtype | None = None, device=None):

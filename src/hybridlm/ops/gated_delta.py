@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from hybridlm.ops.native import BF16_HELPERS, NativeKernel, checked_splits, split_args
+from hybridlm.ops.native import NativeKernel, checked_splits, split_args
 from hybridlm.ops.norms import l2_normalize
 
 # Measured on 2 CPU cores, 16 heads x 128 x 128, batch 1, bf16 inputs:
@@ -288,172 +288,11 @@ def _mid_chunk_state(s0: Tensor, k: Tensor, c: Tensor, u: Tensor, m: int) -> Ten
     return torch.baddbmm(s0 * _exp(c_m)[..., None], k_m, u[:, :m])
 
 
-# A Gated DeltaNet layer from its conv output to the scan output, fused in C on the CPU. Per (row,
-# value head) it reads q / k / v and the gate inputs straight from the projections, normalises and
-# computes the gates for a block of tokens, then runs the recurrence one block of state columns at
-# a time: column j of S only ever meets column j of kᵀS, delta and o, so a [Dk, 32] slice (16 KiB)
-# stays in L1 across the whole token block, and the state crosses the cache hierarchy once per
-# block instead of three times per token. This replaces the ~40 small ATen ops of the composed path
-# (which cost more than the scan itself in decode) and beats the chunked form's matrix products.
-_GDN_SOURCE = BF16_HELPERS + r"""
-#include <math.h>
-#include <stdlib.h>
-
-#define TB 64  /* tokens per block */
-#define JB 32  /* state columns per block */
-
-
-typedef float f32x16 __attribute__((vector_size(64)));
-static inline f32x16 ld16(const float* p) { f32x16 v; memcpy(&v, p, sizeof v); return v; }
-static inline void st16(float* p, f32x16 v) { memcpy(p, &v, sizeof v); }
-
-/* kv = kᵀS on a [Dk, JB] column block of the state (row stride ld). */
-static inline void kv_block(const float* S, int64_t ld, int64_t Dk, const float* k, f32x16 kv[2]) {
-    f32x16 kv0 = {0}, kv1 = {0};
-    for (int64_t i = 0; i < Dk; i++) {
-        kv0 += k[i] * ld16(S + i * ld);
-        kv1 += k[i] * ld16(S + i * ld + 16);
-    }
-    kv[0] = kv0;
-    kv[1] = kv1;
-}
-
-/* One token on a column block, given kv = kᵀS: delta = vb - db·kv; S = d·S + k deltaᵀ; o = qᵀS.
-   With `knext` (the next token's k) the same pass leaves knextᵀS (new S) in kv, summed in the
-   order kv_block sums it, so the state is read once per token. */
-static inline void step_block(float* S, int64_t ld, int64_t Dk, const float* k, const float* q,
-                              const float* vb, float d, float db, const float* knext, f32x16 kv[2],
-                              float* o) {
-    const f32x16 delta0 = ld16(vb) - db * kv[0], delta1 = ld16(vb + 16) - db * kv[1];
-    f32x16 o0 = {0}, o1 = {0}, n0 = {0}, n1 = {0};
-    for (int64_t i = 0; i < Dk; i++) {
-        const f32x16 s0 = ld16(S + i * ld) * d + k[i] * delta0;
-        const f32x16 s1 = ld16(S + i * ld + 16) * d + k[i] * delta1;
-        st16(S + i * ld, s0);
-        st16(S + i * ld + 16, s1);
-        o0 += q[i] * s0;
-        o1 += q[i] * s1;
-        if (knext) {
-            n0 += knext[i] * s0;
-            n1 += knext[i] * s1;
-        }
-    }
-    st16(o, o0);
-    st16(o + 16, o1);
-    kv[0] = n0;
-    kv[1] = n1;
-}
-
-/* The same on the last jb < JB columns. */
-static void step_cols(float* S, int64_t ld, int64_t Dk, int64_t jb, const float* k, const float* q,
-                      const float* vb, float d, float db, float* o) {
-    float kv[JB], delta[JB];
-    for (int64_t j = 0; j < jb; j++) { kv[j] = 0.f; o[j] = 0.f; }
-    for (int64_t i = 0; i < Dk; i++)
-        for (int64_t j = 0; j < jb; j++) kv[j] += k[i] * S[i * ld + j];
-    for (int64_t j = 0; j < jb; j++) delta[j] = vb[j] - db * kv[j];
-    for (int64_t i = 0; i < Dk; i++)
-        for (int64_t j = 0; j < jb; j++) {
-            const float s = S[i * ld + j] * d + k[i] * delta[j];
-            S[i * ld + j] = s;
-            o[j] += q[i] * s;
-        }
-}
-
-static void copy_cols(float* dst, const float* S, int64_t j0, int64_t jb, int64_t Dk, int64_t Dv) {
-    if (jb == JB)  /* a constant size: two vector moves per row instead of a memcpy call */
-        for (int64_t i = 0; i < Dk; i++) memcpy(dst + i * Dv + j0, S + i * Dv + j0, JB * sizeof(float));
-    else
-        for (int64_t i = 0; i < Dk; i++) memcpy(dst + i * Dv + j0, S + i * Dv + j0, jb * sizeof(float));
-}
-
-/* x [B, L, 2*Hk*Dk + Hv*Dv] conv output (q | k | v), ab [B, L, 2*Hv] raw gate inputs (a | b),
-   A_log, dt_bias [Hv] (bf16 when params_bf16, else float32); state [B, Hv, Dk, Dv] float32 advanced in place;
-   out [B, L, Hv, Dv]; bounds[i] [B, Hv, Dk, Dv] float32 receives the state after splits[i]
-   tokens; lens [B] real tokens per row (later tokens are identity steps with zero output) or NULL.
-   x, ab and out hold bf16 when is_bf16, else float32. Returns 0, or -1 when out of memory. */
-int hybridlm_gdn_scan(const void* x, const void* ab, const void* A_log, const void* dt_bias,
-                      float* state, void* out, float** bounds, const int64_t* splits, int64_t nsplit,
-                      const int64_t* lens, int64_t B, int64_t L, int64_t Hk, int64_t Hv, int64_t Dk,
-                      int64_t Dv, float scale, int is_bf16, int params_bf16, int nthreads) {
-    const int64_t conv_dim = 2 * Hk * Dk + Hv * Dv, rep = Hv / Hk, hs = Dk * Dv;
-    int failed = 0;
-    #pragma omp parallel num_threads(nthreads)
-    {
-        /* per token of a block: q (scaled), k, beta*v, decay, beta*decay */
-        float* buf = malloc(sizeof(float) * TB * (2 * Dk + Dv + 2));
-        if (!buf) {
-            #pragma omp atomic write
-            failed = 1;
-        }
-        #pragma omp for schedule(static)
-        for (int64_t bh = 0; bh < B * Hv; bh++) {
-            if (!buf) continue;
-            float *qn = buf, *kn = qn + TB * Dk, *vb = kn + TB * Dk, *dec = vb + TB * Dv, *db = dec + TB;
-            const int64_t b = bh / Hv, h = bh % Hv, hk = h / rep;
-            const int64_t real = lens ? (lens[b] < L ? lens[b] : L) : L;
-            float* restrict S = state + bh * hs;
-            for (int64_t si = 0; si < nsplit; si++)
-                if ((splits[si] < real ? splits[si] : real) == 0) memcpy(bounds[si] + bh * hs, S, hs * 4);
-            for (int64_t t0 = 0; t0 < L; t0 += TB) {
-                const int64_t nt = L - t0 < TB ? L - t0 : TB;
-                const int64_t nreal = real - t0 < 0 ? 0 : (real - t0 < nt ? real - t0 : nt);
-                for (int64_t t = 0; t < nreal; t++) {
-                    const int64_t row = b * L + t0 + t, xbase = row * conv_dim;
-                    float* q = qn + t * Dk; float* k = kn + t * Dk;
-                    float qq = 0.f, kk = 0.f;
-                    for (int64_t i = 0; i < Dk; i++) {
-                        q[i] = load(x, xbase + hk * Dk + i, is_bf16);
-                        k[i] = load(x, xbase + Hk * Dk + hk * Dk + i, is_bf16);
-                        qq += q[i] * q[i];
-                        kk += k[i] * k[i];
-                    }
-                    const float qs = scale / sqrtf(qq + 1e-6f), ks = 1.f / sqrtf(kk + 1e-6f);
-                    for (int64_t i = 0; i < Dk; i++) { q[i] *= qs; k[i] *= ks; }
-                    const float a = load(ab, row * 2 * Hv + h, is_bf16) + load(dt_bias, h, params_bf16);
-                    const float softplus = a > 20.f ? a : log1pf(expf(a));
-                    const float bin = load(ab, row * 2 * Hv + Hv + h, is_bf16);
-                    /* torch's sigmoid on a bf16 tensor rounds its result to bf16 */
-                    const float beta = round_to(1.f / (1.f + expf(-bin)), is_bf16);
-                    dec[t] = expf(-expf(load(A_log, h, params_bf16)) * softplus);
-                    db[t] = beta * dec[t];
-                    const int64_t vbase = xbase + 2 * Hk * Dk + h * Dv;
-                    for (int64_t j = 0; j < Dv; j++) vb[t * Dv + j] = beta * load(x, vbase + j, is_bf16);
-                }
-                for (int64_t j0 = 0; j0 < Dv; j0 += JB) {
-                    const int64_t jb = Dv - j0 < JB ? Dv - j0 : JB;
-                    f32x16 kv[2];
-                    if (jb == JB && nreal > 0) kv_block(S + j0, Dv, Dk, kn, kv);
-                    for (int64_t t = 0; t < nreal; t++) {
-                        float o[JB];
-                        const float* knext = t + 1 < nreal ? kn + (t + 1) * Dk : NULL;
-                        if (jb == JB) step_block(S + j0, Dv, Dk, kn + t * Dk, qn + t * Dk, vb + t * Dv + j0,
-                                                 dec[t], db[t], knext, kv, o);
-                        else step_cols(S + j0, Dv, Dk, jb, kn + t * Dk, qn + t * Dk, vb + t * Dv + j0,
-                                       dec[t], db[t], o);
-                        const int64_t obase = ((b * L + t0 + t) * Hv + h) * Dv + j0;
-                        for (int64_t j = 0; j < jb; j++) store(out, obase + j, o[j], is_bf16);
-                        for (int64_t si = 0; si < nsplit; si++)
-                            if ((splits[si] < real ? splits[si] : real) == t0 + t + 1)
-                                copy_cols(bounds[si] + bh * hs, S, j0, jb, Dk, Dv);
-                    }
-                }
-                for (int64_t t = nreal; t < nt; t++) {
-                    const int64_t obase = ((b * L + t0 + t) * Hv + h) * Dv;
-                    for (int64_t j = 0; j < Dv; j++) store(out, obase + j, 0.f, is_bf16);
-                }
-            }
-        }
-        free(buf);
-    }
-    return failed ? -1 : 0;
-}
-"""
-
+# A Gated DeltaNet layer from its conv output to the scan output, fused in C (csrc/gated_delta.c).
 _p, _i64 = ctypes.c_void_p, ctypes.c_int64
 GDN_KERNEL = NativeKernel(
     "gdn_scan",
-    _GDN_SOURCE,
+    "gated_delta.c",
     "hybridlm_gdn_scan",
     [_p, _p, _p, _p, _p, _p, _p, _p, _i64, _p, _i64, _i64, _i64, _i64, _i64, _i64, ctypes.c_float,
      ctypes.c_int, ctypes.c_int, ctypes.c_int],

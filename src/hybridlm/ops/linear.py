@@ -26,12 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridlm.ops.native import BF16_HELPERS, FEW_TOKENS, NativeKernel
+from hybridlm.ops.native import FEW_TOKENS, NativeKernel
 
-__all__ = [
-    "MAX_FAST_ROWS", "Int8Linear", "Linear", "fast_path_available", "kernel_rows", "linear", "quantize_int8_",
-    "rowwise",
-]
+__all__ = ["MAX_FAST_ROWS", "Linear", "fast_path_available", "kernel_rows", "linear", "rowwise"]
 
 # Most input rows the kernel takes: decode (1 row) and speculative verify (up to FEW_TOKENS). Where
 # the CPU has bf16 dot-product instructions (AVX512-BF16) a row costs one instruction per 32
@@ -42,189 +39,18 @@ __all__ = [
 # one-token decode step does.
 MAX_FAST_ROWS = FEW_TOKENS
 
-# y[m, n] = bf16(sum_k x[m, k] * w[n, k] + bias[n]) with x, w, bias, y bf16 and fp32 accumulation.
-# Weight rows are processed in blocks of RB rows against up to MC input rows at a time, so each
-# weight byte is loaded from memory once and reused from registers for every input row. bf16 is
-# the upper half of fp32: a 32-bit load of two packed bf16 gives the even element as `u << 16`
-# and the odd one as `u & 0xffff0000`, so x is pre-converted to fp32 with each 32-block split
-# into its 16 even then 16 odd elements, and the inner loop needs no shuffles. GCC vector
-# extensions keep this portable; -march=native picks AVX-512/AVX2/NEON widths.
-_KERNEL_SOURCE = BF16_HELPERS + r"""
-#include <stdlib.h>
-#define RB 4
-#define MC 4  /* input rows per pass; more rows take several passes over a block held in L1 */
-#define PREFETCH_BYTES 16384
-
-#if defined(__AVX512BF16__)
-#include <immintrin.h>
-#define MAX_ROWS 17  /* FEW_TOKENS */
-/* The same tile with vdpbf16ps: x stays bf16, each instruction multiplies 32 bf16 pairs and adds
-   them (exactly: products of bf16 fit an fp32) into 16 fp32 sums, odd element then even. */
-static inline __attribute__((always_inline)) void tile_dp(const uint16_t* x, int64_t K, int mc,
-                                                          const uint16_t* w, int rb, float out[RB][MC]) {
-    __m512 acc[RB][MC];
-    for (int r = 0; r < rb; r++) for (int c = 0; c < mc; c++) acc[r][c] = _mm512_setzero_ps();
-    int64_t k = 0;
-    for (; k + 32 <= K; k += 32) {
-        __m512bh wv[RB];
-        for (int r = 0; r < rb; r++) {
-            __builtin_prefetch((const char*)(w + r * K + k) + PREFETCH_BYTES, 0, 1);
-            wv[r] = (__m512bh)_mm512_loadu_si512(w + r * K + k);
-        }
-        for (int c = 0; c < mc; c++) {
-            const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + c * K + k);
-            for (int r = 0; r < rb; r++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], wv[r], xv);
-        }
-    }
-    for (int r = 0; r < rb; r++) for (int c = 0; c < mc; c++) {
-        float s = _mm512_reduce_add_ps(acc[r][c]);
-        for (int64_t t = k; t < K; t++) s += bf16_to_f32(w[r * K + t]) * bf16_to_f32(x[c * K + t]);
-        out[r][c] = s;
-    }
-}
-#define TILE_DP(rows, cols) tile_dp(x, K, cols, w, rows, out)
-static void tile_dp_any(const uint16_t* x, int64_t K, int mc, const uint16_t* w, int rb, float out[RB][MC]) {
-    if (rb == RB) {
-        switch (mc) { case 1: TILE_DP(RB, 1); break; case 2: TILE_DP(RB, 2); break;
-                      case 3: TILE_DP(RB, 3); break; default: TILE_DP(RB, MC); }
-        return;
-    }
-    for (int r = 0; r < rb; r++) {
-        float row[RB][MC];
-        const uint16_t* wr = w + r * K;
-        switch (mc) { case 1: tile_dp(x, K, 1, wr, 1, row); break;
-                      case 2: tile_dp(x, K, 2, wr, 1, row); break;
-                      case 3: tile_dp(x, K, 3, wr, 1, row); break;
-                      default: tile_dp(x, K, MC, wr, 1, row); }
-        for (int c = 0; c < mc; c++) out[r][c] = row[0][c];
-    }
-}
-#define TILE_ANY(x, xf, K, mc, w, rb, out) tile_dp_any(x, K, mc, w, rb, out)
-#define X_AS_F32 0
-#else
-#define MAX_ROWS 4
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef float f32x8 __attribute__((vector_size(32)));
-typedef float f32x4 __attribute__((vector_size(16)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
-#define RB 4
-#define MC 4  /* input rows per pass; more rows take several passes over a block held in L1 */
-#define PREFETCH_BYTES 16384
-
-static inline u32x16 load_u32x16(const void* p) { u32x16 v; memcpy(&v, p, sizeof v); return v; }
-static inline f32x16 load_f32x16(const float* p) { f32x16 v; memcpy(&v, p, sizeof v); return v; }
-static inline float hsum(f32x16 v) {
-    f32x8 a, b; memcpy(&a, &v, 32); memcpy(&b, (char*)&v + 32, 32); a += b;
-    f32x4 c, d; memcpy(&c, &a, 16); memcpy(&d, (char*)&a + 16, 16); c += d;
-    return (c[0] + c[2]) + (c[1] + c[3]);
-}
-
-/* out[r][c] = dot(w row r, x row c) for r < rb, c < mc; inlined with constant rb, mc so the
-   accumulators live in registers. */
-static inline __attribute__((always_inline)) void tile(const float* xf, int64_t K, int mc,
-                                                       const uint16_t* w, int rb, float out[RB][MC]) {
-    f32x16 acc[RB][MC];
-    for (int r = 0; r < rb; r++) for (int c = 0; c < mc; c++) acc[r][c] = (f32x16){0};
-    const u32x16 hi = (u32x16){0} + 0xffff0000u;
-    int64_t k = 0;
-    for (; k + 32 <= K; k += 32) {
-        f32x16 even[RB], odd[RB];
-        for (int r = 0; r < rb; r++) {
-            /* RB interleaved rows are RB short streams that the hardware prefetcher ramps up too
-               late; fetching 16 KiB ahead lifts DRAM reads from ~22 to ~29 GB/s on 2 cores. */
-            __builtin_prefetch((const char*)(w + r * K + k) + PREFETCH_BYTES, 0, 1);
-            const u32x16 u = load_u32x16(w + r * K + k);
-            even[r] = (f32x16)(u << 16);
-            odd[r] = (f32x16)(u & hi);
-        }
-        for (int c = 0; c < mc; c++) {
-            const f32x16 xe = load_f32x16(xf + c * K + k), xo = load_f32x16(xf + c * K + k + 16);
-            for (int r = 0; r < rb; r++) {
-                acc[r][c] += even[r] * xe;
-                acc[r][c] += odd[r] * xo;
-            }
-        }
-    }
-    for (int r = 0; r < rb; r++) for (int c = 0; c < mc; c++) {
-        float s = hsum(acc[r][c]);
-        for (int64_t t = k; t < K; t++) s += bf16_to_f32(w[r * K + t]) * xf[c * K + t];
-        out[r][c] = s;
-    }
-}
-
-#define TILE(rows, cols) tile(xf, K, cols, w, rows, out)
-static void tile_any(const float* xf, int64_t K, int mc, const uint16_t* w, int rb, float out[RB][MC]) {
-    if (rb == RB) {
-        switch (mc) { case 1: TILE(RB, 1); break; case 2: TILE(RB, 2); break;
-                      case 3: TILE(RB, 3); break; default: TILE(RB, MC); }
-        return;
-    }
-    for (int r = 0; r < rb; r++) {  /* the last N % RB rows, one at a time */
-        float row[RB][MC];
-        const uint16_t* wr = w + r * K;
-        switch (mc) { case 1: tile(xf, K, 1, wr, 1, row); break; case 2: tile(xf, K, 2, wr, 1, row); break;
-                      case 3: tile(xf, K, 3, wr, 1, row); break; default: tile(xf, K, MC, wr, 1, row); }
-        for (int c = 0; c < mc; c++) out[r][c] = row[0][c];
-    }
-}
-#define TILE_ANY(x, xf, K, mc, w, rb, out) tile_any(xf, K, mc, w, rb, out)
-#define X_AS_F32 1
-#endif
-
-int64_t hybridlm_linear_max_rows(void) { return MAX_ROWS; }
-
-/* x [M, K], w [N, K], bias [N] or NULL, y [M, N]; all bf16 and contiguous. Returns 0 or -1
-   (out of memory). */
-int hybridlm_linear_bf16(const uint16_t* x, int64_t M, const uint16_t* w, const uint16_t* bias,
-                         uint16_t* y, int64_t N, int64_t K, int nthreads) {
-    float* xf = NULL;
-    if (X_AS_F32) {
-        xf = malloc((size_t)(M * K) * sizeof(float));
-        if (!xf) return -1;
-        const int64_t K32 = K / 32 * 32;
-        for (int64_t m = 0; m < M; m++) {
-            const uint16_t* src = x + m * K;
-            float* dst = xf + m * K;
-            for (int64_t k = 0; k < K32; k += 32)
-                for (int i = 0; i < 16; i++) {
-                    dst[k + i] = bf16_to_f32(src[k + 2 * i]);
-                    dst[k + 16 + i] = bf16_to_f32(src[k + 2 * i + 1]);
-                }
-            for (int64_t k = K32; k < K; k++) dst[k] = bf16_to_f32(src[k]);
-        }
-    }
-    const int64_t nblocks = (N + RB - 1) / RB;
-    /* Below ~128 KiB of weights a second thread costs more to wake than it saves. */
-    #pragma omp parallel for schedule(static) num_threads(nthreads) if (N * K >= 65536)
-    for (int64_t b = 0; b < nblocks; b++) {
-        const int64_t n0 = b * RB;
-        const int rb = N - n0 < RB ? (int)(N - n0) : RB;
-        for (int64_t m0 = 0; m0 < M; m0 += MC) {
-            const int mc = M - m0 < MC ? (int)(M - m0) : MC;
-            float out[RB][MC];
-            TILE_ANY(x + m0 * K, xf ? xf + m0 * K : NULL, K, mc, w + n0 * K, rb, out);
-            for (int r = 0; r < rb; r++) {
-                const float bv = bias ? bf16_to_f32(bias[n0 + r]) : 0.f;
-                for (int c = 0; c < mc; c++) y[(m0 + c) * N + n0 + r] = f32_to_bf16(out[r][c] + bv);
-            }
-        }
-    }
-    free(xf);
-    return 0;
-}
-"""
-
+# The kernel: csrc/linear.c.
 _p, _i64 = ctypes.c_void_p, ctypes.c_int64
 KERNEL = NativeKernel(
     "linear_bf16",
-    _KERNEL_SOURCE,
+    "linear.c",
     "hybridlm_linear_bf16",
     [_p, _i64, _p, _p, _p, _i64, _i64, ctypes.c_int],
     ctypes.c_int,
     fallback="F.linear",
 )
 # The same library's answer to "how many rows do you take" (MAX_FAST_ROWS or 4, see above).
-ROWS = NativeKernel("linear_bf16", _KERNEL_SOURCE, "hybridlm_linear_max_rows", [], ctypes.c_int64, "F.linear")
+ROWS = NativeKernel("linear_bf16", "linear.c", "hybridlm_linear_max_rows", [], ctypes.c_int64, "F.linear")
 
 
 @functools.cache
@@ -332,59 +158,3 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
-
-
-class Int8Linear(nn.Module):
-    """Weight-only int8 linear: ``weight_int8`` [out, in] int8 times per-output-channel
-    ``weight_scale`` [out], plus optional ``bias`` [out]; made by ``quantize_int8_``.
-
-    On CPU it runs ``torch._weight_int8pack_mm``, which reads half a bf16 weight's bytes. That
-    kernel gives wrong bf16 results when ``in % 16 != 0`` (torch 2.13), so such shapes, and other
-    devices, dequantize the weight instead.
-    """
-
-    def __init__(self, weight_int8: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None):
-        super().__init__()
-        self.out_features, self.in_features = weight_int8.shape
-        self.register_buffer("weight_int8", weight_int8)
-        self.register_buffer("weight_scale", weight_scale)
-        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-
-    @classmethod
-    @torch.no_grad()
-    def from_linear(cls, layer: nn.Linear) -> Int8Linear:
-        """Symmetric per-row quantization: ``scale = max|w_row| / 127``, ``q = round(w / scale)``;
-        the scale keeps the weight's dtype."""
-        w = layer.weight.detach().float()
-        scale = (w.abs().amax(dim=1) / 127.0).clamp_min(torch.finfo(torch.float32).tiny)
-        q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-        bias = None if layer.bias is None else layer.bias.detach()
-        return cls(q, scale.to(layer.weight.dtype), bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., in] -> [..., out] in x's dtype."""
-        x2 = x.reshape(-1, self.in_features)
-        scale = self.weight_scale.to(x.dtype)
-        if x2.is_cpu and self.in_features % 32 == 0:
-            y = torch._weight_int8pack_mm(x2.contiguous(), self.weight_int8, scale)
-        else:
-            y = F.linear(x2, self.weight_int8.to(x.dtype)) * scale
-        if self.bias is not None:
-            y = y + self.bias
-        return y.view(*x.shape[:-1], self.out_features)
-
-    def extra_repr(self) -> str:
-        bias = self.bias is not None
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={bias}"
-
-
-def quantize_int8_(module: nn.Module) -> nn.Module:
-    """Replace every ``Linear`` inside ``module`` by its ``Int8Linear``, in place; returns
-    ``module``, or the new ``Int8Linear`` if ``module`` itself is a ``Linear``."""
-    if isinstance(module, Linear):
-        return Int8Linear.from_linear(module)
-    for child in list(module.modules()):
-        for attr, sub in list(child.named_children()):
-            if isinstance(sub, Linear):
-                setattr(child, attr, Int8Linear.from_linear(sub))
-    return module

@@ -2,9 +2,10 @@
 
 The CPU decode path is dominated by per-call overhead of many tiny ATen ops and by memory-bound
 matrix-vector products; a few fused C loops (``ops.linear``, ``ops.gated_delta``) remove both. Each
-kernel is one C source with one entry point, built with ``-O3 -march=native -fopenmp`` into
-``$HYBRIDLM_CACHE_DIR/kernels`` (default ``~/.cache/hybridlm/kernels``) under a name keyed by the
-source, compiler, flags and CPU, so a changed kernel or machine never loads a stale build.
+kernel family is one C file in ``ops/csrc/`` (shipped with the package; ``bf16.h`` holds the shared
+bf16 helpers), built with ``-O3 -march=native -fopenmp`` into ``$XDG_CACHE_HOME/hybridlm/kernels``
+(default ``~/.cache/hybridlm/kernels``) under a name keyed by the sources (the file and every header
+beside it), compiler, flags and CPU, so a changed kernel or machine never loads a stale build.
 
 Set ``HYBRIDLM_COMPILE=0`` to disable every kernel; if one cannot be built (no compiler, build
 error) its callers fall back to plain torch with one logged warning.
@@ -35,33 +36,13 @@ CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 # output equals plain greedy output in bf16 too).
 FEW_TOKENS = 17
 
-# Shared by the kernels' sources: bf16 is the upper half of an fp32.
-BF16_HELPERS = r"""
-#include <stdint.h>
-#include <string.h>
-static inline float bf16_to_f32(uint16_t v) {
-    uint32_t u = (uint32_t)v << 16; float f; memcpy(&f, &u, 4); return f;
-}
-static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, keep NaN a NaN */
-    uint32_t u; memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-/* Element i of a bf16 (bf16 != 0) or float32 array, as float32; and back. */
-static inline float load(const void* p, int64_t i, int bf16) {
-    return bf16 ? bf16_to_f32(((const uint16_t*)p)[i]) : ((const float*)p)[i];
-}
-static inline void store(void* p, int64_t i, float v, int bf16) {
-    if (bf16) ((uint16_t*)p)[i] = f32_to_bf16(v); else ((float*)p)[i] = v;
-}
-/* v rounded as a bf16 tensor op would round its result (identity for float32) */
-static inline float round_to(float v, int bf16) { return bf16 ? bf16_to_f32(f32_to_bf16(v)) : v; }
-"""
-
+CSRC = Path(__file__).parent / "csrc"
 
 def cache_dir() -> Path:
-    """``$HYBRIDLM_CACHE_DIR/kernels`` (default ``~/.cache/hybridlm``), else a per-user temp dir."""
-    base = Path(os.environ.get("HYBRIDLM_CACHE_DIR") or Path.home() / ".cache" / "hybridlm")
+    """``$XDG_CACHE_HOME/hybridlm/kernels`` (default ``~/.cache/hybridlm/kernels``), else a per-user temp
+    dir. Not under ``HYBRIDLM_CACHE_DIR``: that names the prefix cache's disk tier, whose files an
+    operator may wipe or share between models."""
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hybridlm"
     for path in (base / "kernels", Path(tempfile.gettempdir()) / f"hybridlm-{os.getuid()}"):
         try:
             path.mkdir(parents=True, exist_ok=True)
@@ -82,21 +63,34 @@ def _cpu_signature() -> str:
         return platform.processor()
 
 
-def compile_library(name: str, source: str) -> Path:
-    """Compile `source` into a shared library (or reuse the cached build) and return its path."""
+def source_path(file: str) -> Path:
+    """Path of kernel source `file` (e.g. ``"linear.c"``) in the package's ``csrc`` directory."""
+    return CSRC / file
+
+
+def compiler() -> str:
+    """The C compiler: ``$CC``, else gcc, else cc."""
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         raise RuntimeError("no C compiler found (set CC)")
+    return cc
+
+
+def compile_library(name: str, file: str) -> Path:
+    """Compile kernel source `file` into a shared library (or reuse the cached build) and return
+    its path."""
+    cc = compiler()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
-    parts = [source, cc, version, " ".join(CFLAGS), platform.machine(), _cpu_signature()]
+    # The headers are part of every kernel's source: a changed helper rebuilds every kernel.
+    sources = [source_path(file).read_text()] + [h.read_text() for h in sorted(CSRC.glob("*.h"))]
+    parts = [*sources, cc, version, " ".join(CFLAGS), platform.machine(), _cpu_signature()]
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
     lib_path = cache_dir() / f"{name}-{key}.so"
     if not lib_path.exists():
         with tempfile.TemporaryDirectory(dir=lib_path.parent) as tmp:
-            src = Path(tmp) / f"{name}.c"
-            src.write_text(source)
             out = Path(tmp) / lib_path.name
-            proc = subprocess.run([cc, *CFLAGS, str(src), "-o", str(out)], capture_output=True, text=True)
+            cmd = [cc, *CFLAGS, f"-I{CSRC}", str(source_path(file)), "-o", str(out)]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode != 0:
                 raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-2000:]}")
             # Atomic, so concurrent processes never load a half-written library.
@@ -107,13 +101,14 @@ def compile_library(name: str, source: str) -> Path:
 class NativeKernel:
     """One C entry point, built on first `get()` (thread-safe, at most once per process).
 
-    name: library file stem; symbol: the exported function; argtypes / restype: its ctypes
+    name: library file stem; file: its C source in ``csrc``; symbol: the exported function;
+    argtypes / restype: its ctypes
     signature — a C `int` result is a status (0, or -1 when out of memory: `MemoryError`);
     fallback: what callers do without it (named in the one warning a failed build logs).
     """
 
-    def __init__(self, name: str, source: str, symbol: str, argtypes: list, restype, fallback: str):
-        self.name, self.source, self.symbol = name, source, symbol
+    def __init__(self, name: str, file: str, symbol: str, argtypes: list, restype, fallback: str):
+        self.name, self.file, self.symbol = name, file, symbol
         self.argtypes, self.restype, self.fallback = argtypes, restype, fallback
         self._lock = threading.Lock()
         self._resolved = False
@@ -121,7 +116,7 @@ class NativeKernel:
 
     def build(self) -> ctypes._CFuncPtr:
         """Compile (or reuse the cached build) and return the entry point."""
-        fn = getattr(ctypes.CDLL(str(compile_library(self.name, self.source))), self.symbol)
+        fn = getattr(ctypes.CDLL(str(compile_library(self.name, self.file))), self.symbol)
         fn.argtypes, fn.restype = self.argtypes, self.restype
         if self.restype is ctypes.c_int:  # the kernels' status: 0, or -1 when out of memory
             fn.errcheck = self._check_status

@@ -9,7 +9,10 @@ def filter_logits(
     logits: torch.Tensor, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0
 ) -> torch.Tensor:
     """[..., V] float32 logits -> tempered logits with filtered entries set to -inf."""
-    logits = logits.float() / max(temperature, 1e-6)
+    # A tiny temperature or repetition penalty overflows logits to inf (and softmax to nan):
+    # saturate at the largest float instead.
+    big = torch.finfo(torch.float32).max
+    logits = (logits.float() / max(temperature, 1e-6)).clamp(-big, big)
     if top_k and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -22,6 +25,8 @@ def filter_logits(
         cum = sorted_logits.softmax(-1).cumsum(-1)
         # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
         drop_sorted = (cum - sorted_logits.softmax(-1)) >= top_p
+        # top_p below float32's smallest normal flushes to 0, and 0 >= 0 would drop every token.
+        drop_sorted[..., 0] = False
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hybridlm.cache.base import LayerCache, Snapshot
+from hybridlm.cache.base import LayerCache, Snapshot, tensor_bytes
 from hybridlm.cache.kv import KVCache, RowsSnapshot
 from hybridlm.cache.recurrent import ScanCache, ScanSnapshot
 from hybridlm.prefix.disk import CorruptFile, DiskTier, StoredNode, StoredSnapshot, monotonic_of, wall_clock
@@ -141,6 +141,8 @@ class Session:
         the target's final-normed hidden states there, if computed (stored with the nodes only when
         every forward of the session came with them)."""
         self.fed.extend(ids)
+        if self.offset <= len(self.prompt):  # prefill: its forwards take captures
+            self.owner.keep_budget()
         if hidden is None or len(hidden) != len(ids):
             self.hidden_log = None
         elif self.hidden_log is not None:
@@ -242,14 +244,34 @@ class PrefixCache:
         return oldest
 
     # ---- accounting ----------------------------------------------------------------------
+    # The RAM budget holds during requests, not only between them. Two things grow snapshot memory
+    # inside a request: captures taken by the prefill's forwards (counted from the forward that takes
+    # them: `pending_bytes`, checked after every prefill forward by `Session.advance`), and lazy trie
+    # snapshots copying their rows out of the live buffer the request overwrites (counted from the
+    # start: a lazy snapshot weighs what it will own, see `budgeted`). The live caches themselves —
+    # the state the running request works in, lazy rows included — are outside the budget:
+    # `pinned_bytes`.
     @property
     def nbytes(self) -> int:
-        """Bytes owned by snapshots in the trie in RAM (lazy rows of the live buffers count 0)."""
-        return sum(node.nbytes for node in self.trie.nodes())
+        """Bytes counted against the RAM budget: the trie's RAM snapshots (lazy ones at the size of
+        their rows) plus the running prefill's captures not yet kept."""
+        return sum(budgeted(node) for node in self.trie.nodes()) + self.pending_bytes
+
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes of captures the running requests have taken and not yet handed to the trie."""
+        captures = (s for slot in self.slots for i in self.layers for s in slot.caches[i].captures())
+        return sum(_snap_bytes(s) for s in captures)
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Bytes of every slot's live caches (the running requests' state; outside the RAM budget)."""
+        own = sum(c.nbytes for slot in self.slots for c in slot.caches if c is not None)
+        return own + (0 if self.draft is None else self.draft.pinned_bytes)
 
     @property
     def ram_bytes(self) -> int:
-        """Bytes of snapshots in host RAM: `nbytes` plus the draft companion's."""
+        """Bytes counted against the RAM budget: `nbytes` plus the draft companion's."""
         return self.nbytes + (0 if self.draft is None else self.draft.nbytes)
 
     @property
@@ -453,6 +475,18 @@ class PrefixCache:
             rows = None if hidden is None else hidden[lo - bounds[0] : hi - bounds[0]].clone()
             parent = self.trie.attach(parent, fed[lo:hi], snaps, rows)
 
+    def keep_budget(self) -> None:
+        """Evict as `enforce_budget` does when the running request's captures took the snapshots
+        over the RAM budget (cheap when they did not); if its captures alone exceed it, they drop
+        their scan-input logs (each still restores to its end)."""
+        if self.ram_budget is None or self.ram_bytes <= self.ram_budget:
+            return
+        self.enforce_budget()
+        if self.ram_bytes > self.ram_budget:
+            for slot in self.slots:
+                for i in self.layers:
+                    slot.caches[i].compact_captures()
+
     def live_path(self) -> set[int]:
         """Ids of the nodes on every slot's live path (protected from eviction): the prefixes running
         sequences restored from and the idle slots' frontiers."""
@@ -500,11 +534,11 @@ class PrefixCache:
                 break
             if not eligible(node) or node.on_disk:
                 continue
-            before = node.nbytes
+            before = budgeted(node)
             node.snaps = [None if s is None else self.caches[i].compact(s) for i, s in enumerate(node.snaps)]
-            if node.nbytes < before:
+            if budgeted(node) < before:
                 self.stats.compacted_snapshots += 1
-                total -= before - node.nbytes
+                total -= before - budgeted(node)
         return total
 
     def _demote(self, total: int, eligible, displace: bool) -> int:
@@ -513,12 +547,11 @@ class PrefixCache:
         if self.disk is None or total <= self.ram_budget:
             return total
         now = time.monotonic()
-        # Nodes owning no bytes (lazy rows still in the live buffers) would free nothing.
-        nodes = [n for n in self.trie.nodes() if eligible(n) and not n.on_disk and n.nbytes]
+        nodes = [n for n in self.trie.nodes() if eligible(n) and not n.on_disk and budgeted(n)]
         for node in sorted(nodes, key=lambda n: self._value(n, now)):
             if total <= self.ram_budget:
                 break
-            before = node.nbytes
+            before = budgeted(node)
             if self._store(node, now, displace):
                 total -= before
         return total
@@ -535,7 +568,7 @@ class PrefixCache:
             if not victims:
                 break
             victim = min(victims, key=lambda n: (bool(n.children), self._value(n, now)))
-            total -= victim.nbytes
+            total -= budgeted(victim)
             self.stats.evicted_nodes += self._remove_subtree(victim)
         return total
 
@@ -543,7 +576,7 @@ class PrefixCache:
         """Recompute work saved per byte held, decayed by idle time: tokens / bytes / (1 + idle/5min).
         Bytes are the node's tier's (its file on disk, its snapshots in RAM) unless given."""
         if nbytes is None:
-            nbytes = node.file_bytes if node.on_disk else node.nbytes
+            nbytes = node.file_bytes if node.on_disk else budgeted(node)
         return len(node.tokens) / max(nbytes, 1) / (1.0 + (now - node.last_used) / 300.0)
 
     def _remove_leaf(self, node: Node) -> None:
@@ -706,6 +739,23 @@ def _hidden_prefix(path: list[Node], target: int) -> torch.Tensor | None:
         rows.append(node.hidden[: min(node.end, target) - node.start])
         end = min(node.end, target)
     return torch.cat(rows) if rows and end == target else None
+
+
+def _snap_bytes(snap: Snapshot) -> int:
+    """What `snap` counts against the RAM budget: the bytes it owns, or — lazy, naming rows of a live
+    buffer — the bytes it will own once those rows are overwritten (so that copy-out, which happens
+    inside a forward, never raises the total)."""
+    if isinstance(snap, RowsSnapshot) and snap.lazy:
+        return tensor_bytes(*snap.rows(snap.rows_start, snap.end))
+    return snap.nbytes
+
+
+def budgeted(node: Node) -> int:
+    """What a trie node counts against the RAM budget (0 on the disk tier)."""
+    if node.on_disk:
+        return 0
+    hidden = 0 if node.hidden is None else tensor_bytes(node.hidden)
+    return hidden + sum(_snap_bytes(s) for s in node.snaps if s is not None)
 
 
 def _free_all(snaps: list[Snapshot | None]) -> None:

@@ -16,14 +16,21 @@ attention rows; `inputs`, `gates`, `tail`, `state` for scan caches) and string m
 Writes are atomic (a temporary file in the same directory, then `os.replace`), and nothing is
 fsynced: a file torn by a crash fails its digests and is ignored, which is all a cache needs.
 Files are read whole and only on demand; a scan reads headers only (8 + header bytes per file).
+
+Faults never reach the engine: a full disk skips the write (the node stays in RAM or is deleted),
+warning at most once a minute; any other write failure (a read-only or removed directory...)
+stops all further writes with one warning — the tier then only serves the files it already has.
+A file that cannot be deleted is left behind (warned, rate-limited).
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import json
 import logging
+import math
 import os
 import time
 import uuid
@@ -46,6 +53,28 @@ KINDS: dict[str, type] = {RowsSnapshot.kind: RowsSnapshot, ScanSnapshot.kind: Sc
 # A safetensors header this large is not one of ours (ours hold one node's metadata: its token path
 # and a few fields per layer); refusing it keeps a corrupted length from allocating gigabytes.
 MAX_HEADER = 64 << 20
+# Write failures that pass once space is freed; any other OSError ends writing to the tier.
+DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+
+
+class Throttled:
+    """A warning logged at most once per `interval` seconds; the next one says how many were held back
+    (a full disk fails every write: hundreds a minute)."""
+
+    def __init__(self, interval: float = 60.0):
+        self.interval = interval
+        self._last = -math.inf
+        self._held = 0
+
+    def warning(self, message: str, *args) -> None:
+        now = time.monotonic()
+        if now - self._last < self.interval:
+            self._held += 1
+            return
+        if self._held:
+            message += f" (and {self._held} more like it in the last {self.interval:g} s)"
+        log.warning(message, *args)
+        self._last, self._held = now, 0
 
 
 def model_fingerprint(model, samples: int = 64) -> str:
@@ -159,6 +188,9 @@ class DiskTier:
         self.budget = budget_bytes
         self.fingerprint = fingerprint
         self.sizes: dict[str, int] = {}
+        self.failed: str | None = None  # why writing stopped (None: writable)
+        self._full = Throttled()
+        self._undeletable = Throttled()
 
     @property
     def nbytes(self) -> int:
@@ -173,9 +205,12 @@ class DiskTier:
         per file ignored, with the reason). Usable files are owned from now on. Files of this model
         that are cut short, and its leftover temporary files (a crash mid-write), are deleted; files
         not provably this model's (another model or format, an unreadable header) are left alone."""
-        for tmp in self.directory.glob(f".{self.fingerprint}.*.tmp"):
-            tmp.unlink(missing_ok=True)
         found, ignored = [], []
+        for tmp in self.directory.glob(f".{self.fingerprint}.*.tmp"):
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError as e:  # e.g. a read-only directory: the leftover stays, harmless
+                ignored.append(f"{tmp.name}: leftover temporary file, not deleted ({e.strerror or e})")
         for path in sorted(self.directory.glob(f"*{SUFFIX}")):
             if path.name.startswith(".") or not path.is_file():
                 continue
@@ -228,7 +263,9 @@ class DiskTier:
         `last_used` wall-clock seconds. `reserve(nbytes, evict)` says whether nbytes more fit the
         budget (evict: and makes room); it is asked with the tensor bytes before anything is written,
         then with the file's exact size before it is published. None when there is no room or the
-        write fails (logged); the snapshots are left as they were either way."""
+        write fails (see the module docstring); the snapshots are left as they were either way."""
+        if self.failed is not None:
+            return None
         layers, tensors = {}, {}
         for i, snap in snaps.items():
             fields, data = snap.to_state()
@@ -249,17 +286,20 @@ class DiskTier:
         meta["digest"] = _header_digest(meta)
         name = f"node-{uuid.uuid4().hex}{SUFFIX}"
         tmp = self._tmp(name)
+        # Serialized in memory, then written by Python: failures arrive as OSError with their errno.
+        data = safetensors.torch.save(tensors, metadata=meta)
+        size = len(data)
         try:
-            safetensors.torch.save_file(tensors, tmp, metadata=meta)
-            size = tmp.stat().st_size
             if not reserve(size, True):
                 return None
+            with tmp.open("wb") as f:
+                f.write(data)
             os.replace(tmp, self.directory / name)
-        except (OSError, safetensors.SafetensorError) as e:  # a full disk, a removed directory...
-            log.warning("prefix cache: could not write %s: %s", self.directory / name, e)
+        except OSError as e:
+            self._write_failed(e)
             return None
         finally:
-            tmp.unlink(missing_ok=True)
+            self._unlink(tmp)
         self.sizes[name] = size
         return StoredNode(name, size, list(tokens), start, {int(k): v for k, v in layers.items()}, last_used)
 
@@ -292,9 +332,29 @@ class DiskTier:
             raise CorruptFile(f"layers do not match the tensors ({e})") from None
 
     def delete(self, name: str) -> None:
-        """Remove an owned file (already gone: nothing to do)."""
+        """Remove an owned file (already gone: nothing to do; cannot be removed: left behind)."""
         self.sizes.pop(name, None)
-        (self.directory / name).unlink(missing_ok=True)
+        self._unlink(self.directory / name)
+
+    def _unlink(self, path: Path) -> None:
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as e:
+            self._undeletable.warning("prefix cache: could not delete %s: %s", path, e)
+
+    def _write_failed(self, e: OSError) -> None:
+        if e.errno in DISK_FULL:
+            self._full.warning(
+                "prefix cache: the disk tier at %s is full (%s); node not stored", self.directory, e
+            )
+            return
+        self.failed = str(e)
+        log.warning(
+            "prefix cache: the disk tier at %s failed (%s); nothing more is written there (its files are "
+            "still read)",
+            self.directory,
+            e,
+        )
 
 
 def wall_clock(monotonic: float) -> float:

@@ -8,19 +8,19 @@ another. Every error leaves in OpenAI's shape; a client that goes away cancels i
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import signal
+import socket
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
-import jinja2
 import uvicorn
-from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ValidationError
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hybridlm import __version__
@@ -36,49 +36,57 @@ from hybridlm.engine import (
 )
 from hybridlm.engine.request import CANCELLED, ERROR
 from hybridlm.server import metrics
+from hybridlm.server.lifecycle import DrainingServer, timed_protocol
+from hybridlm.server.middleware import CountResponses, LimitBody, RequireKey
 from hybridlm.server.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
     Responder,
-    render_chat,
+    chat_prompt_ids,
+    decode_body,
+    openapi_schema,
+    request_body,
 )
 
 log = logging.getLogger(__name__)
-
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
 
 
 def _json_line(body: dict) -> bytes:
     return b"data: " + json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
 
-class _CountResponses:
-    """Pure ASGI middleware counting responses by endpoint and status (no per-chunk buffering)."""
-
-    def __init__(self, app, stats: metrics.HTTPStats):
-        self.app = app
-        self.stats = stats
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        endpoint = scope["path"] if scope["path"] in ENDPOINTS else "other"
-
-        async def counting_send(message):
-            if message["type"] == "http.response.start":
-                self.stats.count(endpoint, message["status"])
-            await send(message)
-
-        await self.app(scope, receive, counting_send)
+async def offload(fn, /, *args, **kwargs):
+    """`fn(*args, **kwargs)` on a worker thread. Handlers run every step whose cost grows with the
+    request (JSON decoding, chat-template rendering, tokenization: seconds for a 16 MiB prompt) through
+    it, so the event loop keeps answering /health and relaying streams meanwhile."""
+    return await asyncio.to_thread(fn, *args, **kwargs)
 
 
-def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> FastAPI:
-    """The ASGI app serving `engine` as model `model_name`; with `api_key`, every endpoint except
+@dataclass
+class Limits:
+    """What one request may cost the server. max_body: bytes of a request body (413 beyond);
+    read_timeout: seconds to receive a request head, and each part of its body (then the connection
+    is closed / 408)."""
+
+    max_body: int = 16 << 20
+    read_timeout: float = 30.0
+
+
+def create_app(
+    engine: Engine, model_name: str, api_key: str | None = None, limits: Limits | None = None
+) -> FastAPI:
+    """The ASGI app serving `engine` as model `model_name`; with `api_key`, every path except
     `/health` needs `Authorization: Bearer <api_key>`."""
-    app = FastAPI(title="hybridlm", version=__version__, docs_url=None, redoc_url=None)
-    http_stats = metrics.HTTPStats()
-    app.add_middleware(_CountResponses, stats=http_stats)
+    limits = limits or Limits()
+    app = FastAPI(title="hybridlm", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.draining = False  # set by `serve` on a stop signal
+    stats = metrics.Metrics(engine, model_name)
+    route_paths: set[str] = set()  # filled once every route is defined
+    # Added innermost first: counting sees every response, the key is checked before a body is read.
+    app.add_middleware(LimitBody, max_bytes=limits.max_body, timeout=limits.read_timeout)
+    app.add_middleware(RequireKey, api_key=api_key)
+    app.add_middleware(CountResponses, count=stats.count, paths=route_paths)
     tokenizer = engine.tokenizer
     started = int(time.time())
 
@@ -91,37 +99,9 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
         return await api_error(request, APIError(e.status_code, str(e.detail), type=kind, headers=e.headers))
 
-    @app.exception_handler(Exception)
-    async def internal_error(request: Request, e: Exception):
-        log.exception("event=unhandled_error path=%s", request.url.path)
-        return await api_error(
-            request, APIError(500, f"internal error: {type(e).__name__}", type="server_error")
-        )
-
-    async def authorize(request: Request) -> None:
-        if api_key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
-            raise APIError(
-                401,
-                "missing or invalid API key (send Authorization: Bearer <key>)",
-                code="invalid_api_key",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
-
     async def parse(request: Request, model: type[BaseModel]):
         """The JSON body as `model` (whatever the Content-Type says, as curl users often omit it)."""
-        try:
-            data = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise APIError(400, f"the request body is not valid JSON: {e}") from None
-        try:
-            return model.model_validate(data)
-        except ValidationError as e:
-            first = e.errors()[0]
-            param = str(first["loc"][0]) if first["loc"] else None  # the top-level field, as OpenAI names it
-            raise APIError(400, f"{param or 'body'}: {first['msg']}", param=param) from None
+        return await offload(decode_body, await request.body(), model)
 
     def check_common(body, prompt_param: str) -> None:
         if body.model is not None and body.model != model_name:
@@ -151,6 +131,8 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
             raise invalid(e, renames.get(e.param, e.param)) from None
 
     def submit(prompt_ids: list[int], params: SamplingParams, prompt_param: str) -> AsyncStream:
+        if app.state.draining:
+            raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
         try:
             return AsyncStream(engine, prompt_ids, params)
         except PromptTooLong as e:
@@ -164,12 +146,15 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
         except EngineClosed as e:
             raise APIError(503, str(e), type="server_error", code="shutting_down") from None
 
-    async def collect(stream: AsyncStream, request: Request) -> Completion:
-        """All events of a non-streaming request; a client disconnect cancels it."""
+    async def collect(stream: AsyncStream, request: Request) -> tuple[Completion, bool]:
+        """All events of a non-streaming request, and whether the client went away (which cancels it)."""
+        gone = False
 
         async def watch_disconnect() -> None:
+            nonlocal gone
             while (await request.receive())["type"] != "http.disconnect":
                 pass
+            gone = True
             stream.cancel()
 
         watcher = asyncio.create_task(watch_disconnect())
@@ -177,7 +162,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
             result = Completion()
             async for event in stream:
                 result.add(event)
-            return result
+            return result, gone
         finally:
             watcher.cancel()
             stream.cancel()  # no-op when finished; stops the engine if this handler was cancelled
@@ -228,14 +213,18 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
-        result = await collect(stream, request)
+        result, gone = await collect(stream, request)
         if result.finish_reason == ERROR:
             raise APIError(500, result.error or "generation failed", type="server_error")
+        if result.finish_reason == CANCELLED and gone:
+            # Nobody reads this answer; 499 (nginx's "client closed request") counts it as what it is.
+            log.info("event=client_disconnected request=%d", stream.request.id)
+            return Response(status_code=499)
         if result.finish_reason == CANCELLED:
             raise APIError(503, "the request was cancelled (server shutting down)", type="server_error")
         return JSONResponse(responder.response(result, want_logprobs))
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
+    @app.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
     async def chat_completions(request: Request):
         body = await parse(request, ChatCompletionRequest)
         check_common(body, "messages")
@@ -248,14 +237,10 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
         params = sampling_params(
             body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None, renames
         )
-        try:
-            prompt = render_chat(tokenizer, body)
-        except (jinja2.TemplateError, ValueError, TypeError) as e:
-            raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
-        ids = tokenizer.encode(prompt)
+        ids = await offload(chat_prompt_ids, tokenizer, body)
         return await respond(Responder("chat", model_name, tokenizer), body, ids, params, "messages", request)
 
-    @app.post("/v1/completions", dependencies=[Depends(authorize)])
+    @app.post("/v1/completions", openapi_extra=request_body(CompletionRequest))
     async def completions(request: Request):
         body = await parse(request, CompletionRequest)
         check_common(body, "prompt")
@@ -274,12 +259,12 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
                 raise APIError(
                     400, "this model has no tokenizer; send the prompt as token ids", param="prompt"
                 )
-            prompt = tokenizer.encode(prompt, add_special_tokens=True)
+            prompt = await offload(tokenizer.encode, prompt, add_special_tokens=True)
         return await respond(
             Responder("completion", model_name, tokenizer), body, prompt, params, "prompt", request
         )
 
-    @app.get("/v1/models", dependencies=[Depends(authorize)])
+    @app.get("/v1/models")
     async def models():
         card = {
             "id": model_name,
@@ -292,44 +277,59 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
 
     @app.get("/health")
     async def health():
+        problem = "draining" if app.state.draining else engine.health_problem()
+        if problem is not None:
+            return JSONResponse({"status": problem}, status_code=503)
         return {"status": "ok"}
 
-    @app.get("/metrics", dependencies=[Depends(authorize)])
+    @app.get("/metrics")
     async def prometheus():
-        return PlainTextResponse(
-            metrics.render(engine, http_stats, model_name), media_type=metrics.CONTENT_TYPE
-        )
+        return Response(stats.render(), media_type=metrics.CONTENT_TYPE)
 
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi():
+        return app.openapi()
+
+    app.openapi = lambda: openapi_schema(app, model_name)
+    route_paths.update(route.path for route in app.routes)
     return app
 
 
 def serve(
     engine: Engine,
     model_name: str,
-    host: str = "127.0.0.1",
-    port: int = 8000,
+    sock: socket.socket,
     api_key: str | None = None,
     graceful_timeout: float = 30.0,
+    limits: Limits | None = None,
+    max_connections: int = 256,
+    announce: Callable[[], None] | None = None,
 ) -> None:
-    """Serve until SIGTERM / SIGINT: then stop accepting, let running responses finish (at most
-    `graceful_timeout` seconds, then cancel them), close the engine and return."""
+    """Serve on the listening socket `sock` (`lifecycle.listen`) until SIGTERM / SIGINT, then drain
+    (`lifecycle.DrainingServer`: at most `graceful_timeout` seconds), close the engine and return.
+    `max_connections`: requests beyond it while that many connections are open get 503;
+    `announce()` runs once the server accepts connections."""
+    limits = limits or Limits()
     level = logging.getLogger("hybridlm").getEffectiveLevel()
+    app = create_app(engine, model_name, api_key, limits)
     config = uvicorn.Config(
-        create_app(engine, model_name, api_key),
-        host=host,
-        port=port,
+        app,
         log_level=level,
         access_log=level <= logging.INFO,
-        timeout_graceful_shutdown=graceful_timeout,
+        http=timed_protocol(limits.read_timeout),
+        limit_concurrency=max_connections,
+        # The drain has let every response finish: what remains are idle connections to close.
+        timeout_graceful_shutdown=1.0,
     )
-    server = uvicorn.Server(config)
+    draining = lambda on: setattr(app.state, "draining", on)
+    server = DrainingServer(config, engine, graceful_timeout, draining, announce)
     # uvicorn handles the signals while it serves and, once shut down, re-raises the one it caught to
     # the handler that was installed before; this one takes it, so the engine closes and we return.
     stopping = (signal.SIGINT, signal.SIGTERM)
     in_main = threading.current_thread() is threading.main_thread()
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in stopping} if in_main else {}
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
         engine.close()
         if engine.prefix is not None:

@@ -1,56 +1,21 @@
-"""`GET /metrics`: Prometheus text exposition (format 0.0.4) of HTTP and engine counters."""
+"""`GET /metrics`: Prometheus exposition of HTTP and engine counters, through `prometheus-client`.
+
+HTTP responses are a library `Counter` (incremented by the response-counting middleware). Engine,
+prefix-cache and speculative figures live in the engine's own stats; a collector reads them at
+scrape time, so a scrape always shows the totals of that instant.
+"""
 
 from __future__ import annotations
 
-import threading
-from collections import Counter
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.registry import Collector
 
 from hybridlm.engine import Engine
 from hybridlm.engine.stats import Histogram
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+CONTENT_TYPE = CONTENT_TYPE_LATEST
 PREFIX = "hybridlm_"
-
-
-class HTTPStats:
-    """HTTP responses by (endpoint, status code), counted when a response starts."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._responses: Counter = Counter()
-
-    def count(self, endpoint: str, status: int) -> None:
-        with self._lock:
-            self._responses[(endpoint, status)] += 1
-
-    def snapshot(self) -> dict[tuple[str, int], int]:
-        with self._lock:
-            return dict(self._responses)
-
-
-def _escape(value) -> str:
-    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-def _labels(**labels) -> str:
-    if not labels:
-        return ""
-    return "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items()) + "}"
-
-
-def _series(lines: list[str], kind: str, name: str, help_text: str, samples) -> None:
-    """One metric family: its HELP and TYPE lines, then a line per (labels dict, value) sample."""
-    lines += [f"# HELP {PREFIX}{name} {help_text}", f"# TYPE {PREFIX}{name} {kind}"]
-    lines += [f"{PREFIX}{name}{_labels(**labels)} {value}" for labels, value in samples]
-
-
-def _histogram(lines: list[str], name: str, help_text: str, h: Histogram) -> None:
-    lines += [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
-    for bound, count in zip((*h.buckets, float("inf")), h.cumulative(), strict=True):
-        le = "+Inf" if bound == float("inf") else repr(bound)
-        lines.append(f"{name}_bucket{_labels(le=le)} {count}")
-    lines += [f"{name}_sum {h.sum!r}", f"{name}_count {h.count}"]
-
 
 _HISTOGRAM_HELP = {
     "queue_seconds": "Seconds requests waited in the queue.",
@@ -63,116 +28,152 @@ _HISTOGRAM_HELP = {
 }
 
 
-def render(engine: Engine, http: HTTPStats, model_name: str) -> str:
-    """The whole exposition text."""
-    stats = engine.stats
-    with stats.lock:
-        finished = dict(stats.finished)
-        tokens = {
-            "prompt_tokens_total": ("Prompt tokens of finished requests.", stats.prompt_tokens),
-            "prefilled_tokens_total": ("Prompt tokens run through the model.", stats.prefilled_tokens),
-            "cached_tokens_total": ("Prompt tokens restored from the prefix cache.", stats.cached_tokens),
-            "generation_tokens_total": (
-                "Tokens generated (cancelled requests included).",
-                stats.generation_tokens,
+class Metrics:
+    """One app's registry: `responses` counts HTTP responses by endpoint and status; `render()` is
+    the exposition text of everything."""
+
+    def __init__(self, engine: Engine, model_name: str):
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.responses = Counter(
+            PREFIX + "http_requests",
+            "HTTP responses by endpoint and status code.",
+            ["endpoint", "status"],
+            registry=self.registry,
+        )
+        self.registry.register(EngineCollector(engine, model_name))
+
+    def count(self, endpoint: str, status: int) -> None:
+        self.responses.labels(endpoint=endpoint, status=str(status)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def _histogram(name: str, h: Histogram) -> HistogramMetricFamily:
+    bounds = [*(repr(float(b)) for b in h.buckets), "+Inf"]
+    buckets = list(zip(bounds, h.cumulative(), strict=True))
+    return HistogramMetricFamily(PREFIX + name, _HISTOGRAM_HELP[name], buckets=buckets, sum_value=h.sum)
+
+
+def _counter(name: str, help_text: str, samples, labels: tuple[str, ...] = ()) -> CounterMetricFamily:
+    family = CounterMetricFamily(PREFIX + name, help_text, labels=list(labels))
+    for values, value in samples:
+        family.add_metric(list(values), value)
+    return family
+
+
+def _gauge(name: str, help_text: str, samples, labels: tuple[str, ...] = ()) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(PREFIX + name, help_text, labels=list(labels))
+    for values, value in samples:
+        family.add_metric(list(values), value)
+    return family
+
+
+class EngineCollector(Collector):
+    """Engine, prefix-cache and speculative figures, read when scraped."""
+
+    def __init__(self, engine: Engine, model_name: str):
+        self.engine = engine
+        self.model_name = model_name
+
+    def collect(self):
+        engine = self.engine
+        stats = engine.stats
+        with stats.lock:
+            finished = dict(stats.finished)
+            tokens = {
+                "prompt_tokens": ("Prompt tokens of finished requests.", stats.prompt_tokens),
+                "prefilled_tokens": ("Prompt tokens run through the model.", stats.prefilled_tokens),
+                "cached_tokens": ("Prompt tokens restored from the prefix cache.", stats.cached_tokens),
+                "generation_tokens": (
+                    "Tokens generated (cancelled requests included).",
+                    stats.generation_tokens,
+                ),
+            }
+            histograms = {name: h.copy() for name, h in stats.histograms().items()}
+        reasons = sorted(set(finished) | {"stop", "length", "cancelled", "error"})
+        yield _counter(
+            "requests_finished",
+            "Engine requests by finish reason.",
+            [((r,), finished.get(r, 0)) for r in reasons],
+            ("reason",),
+        )
+        for name, (help_text, value) in tokens.items():
+            yield _counter(name, help_text, [((), value)])
+        gauges = {
+            "queue_depth": ("Requests waiting to be scheduled.", engine.queue_depth),
+            "requests_running": ("Requests being prefilled or decoded.", engine.num_running),
+            "running_limit": ("Most sequences advanced together (--max-running).", engine.max_running),
+            "slot_occupancy": (
+                "Fraction of the memory for running sequences' caches their admission reserved.",
+                engine.memory_occupancy,
             ),
+            "queue_limit": ("Most requests allowed to wait.", engine.max_queue),
+            "context_length": ("Most tokens per request.", engine.context_length),
         }
-        histograms = {
-            name: Histogram(h.buckets, list(h.counts), h.sum, h.count)
-            for name, h in stats.histograms().items()
-        }
-    lines = [
-        f"# HELP {PREFIX}http_requests_total HTTP responses by endpoint and status code.",
-        f"# TYPE {PREFIX}http_requests_total counter",
-    ]
-    for (endpoint, status), n in sorted(http.snapshot().items()):
-        lines.append(f"{PREFIX}http_requests_total{_labels(endpoint=endpoint, status=status)} {n}")
-    lines += [
-        f"# HELP {PREFIX}requests_finished_total Engine requests by finish reason.",
-        f"# TYPE {PREFIX}requests_finished_total counter",
-    ]
-    for reason in sorted(set(finished) | {"stop", "length", "cancelled", "error"}):
-        lines.append(f"{PREFIX}requests_finished_total{_labels(reason=reason)} {finished.get(reason, 0)}")
-    for name, (help_text, value) in tokens.items():
-        _series(lines, "counter", name, help_text, [({}, value)])
-    gauges = {
-        "queue_depth": ("Requests waiting to be scheduled.", engine.queue_depth),
-        "requests_running": ("Requests being prefilled or decoded.", engine.num_running),
-        "running_limit": ("Most sequences advanced together (--max-running).", engine.max_running),
-        "slot_occupancy": (
-            "Fraction of the memory for running sequences' caches their admission reserved.",
-            engine.memory_occupancy,
-        ),
-        "queue_limit": ("Most requests allowed to wait.", engine.max_queue),
-        "context_length": ("Most tokens per request.", engine.context_length),
-    }
-    for name, (help_text, value) in gauges.items():
-        _series(lines, "gauge", name, help_text, [({}, value)])
-    for name, h in histograms.items():
-        _histogram(lines, PREFIX + name, _HISTOGRAM_HELP[name], h)
-    if engine.prefix is not None:
-        _prefix_cache(lines, engine.prefix)
-    if engine.speculative is not None:
-        _speculative(lines, engine.speculative)
-    lines += [
-        f"# HELP {PREFIX}model_info The served model.",
-        f"# TYPE {PREFIX}model_info gauge",
-        f"{PREFIX}model_info{_labels(model=model_name)} 1",
-    ]
-    return "\n".join(lines) + "\n"
+        for name, (help_text, value) in gauges.items():
+            yield _gauge(name, help_text, [((), value)])
+        for name, h in histograms.items():
+            yield _histogram(name, h)
+        if engine.prefix is not None:
+            yield from _prefix_cache(engine.prefix)
+        if engine.speculative is not None:
+            yield from _speculative(engine.speculative)
+        yield _gauge("model_info", "The served model.", [((self.model_name,), 1)], ("model",))
 
 
-def _prefix_cache(lines: list[str], prefix) -> None:
+def _prefix_cache(prefix):
     """Prefix-cache gauges and counters (read without the engine lock: a scrape may see one request's
     update half done, which Prometheus tolerates)."""
     stats = prefix.stats
-    gauges = {
-        "prefix_cache_bytes": (
-            "Bytes held by prefix-cache snapshots, by tier.",
-            [({"tier": "ram"}, prefix.ram_bytes), ({"tier": "disk"}, prefix.disk_bytes)],
-        ),
-        "prefix_cache_nodes": (
-            "Nodes in the prefix trie, by tier.",
-            [({"tier": "ram"}, prefix.ram_nodes), ({"tier": "disk"}, prefix.disk_nodes)],
-        ),
-    }
+    tiers = ("tier",)
+    yield _gauge(
+        "prefix_cache_bytes",
+        "Prefix-cache bytes by tier: ram (what --cache-ram covers), disk, pinned (the running request's "
+        "live caches, outside the budget).",
+        [(("ram",), prefix.ram_bytes), (("disk",), prefix.disk_bytes), (("pinned",), prefix.pinned_bytes)],
+        tiers,
+    )
+    yield _gauge(
+        "prefix_cache_nodes",
+        "Nodes in the prefix trie, by tier.",
+        [(("ram",), prefix.ram_nodes), (("disk",), prefix.disk_nodes)],
+        tiers,
+    )
+    yield _counter("prefix_cache_hits", "Requests that reused a cached prefix.", [((), stats.hits)])
+    yield _counter(
+        "prefix_cache_misses",
+        "Requests that reused nothing: no shared prefix, or a shared prefix that could not be restored.",
+        [(("no_shared_prefix",), stats.misses_no_prefix), (("not_restorable",), stats.misses_unrestorable)],
+        ("reason",),
+    )
     counters = {
-        "prefix_cache_hits_total": ("Requests that reused a cached prefix.", [({}, stats.hits)]),
-        "prefix_cache_misses_total": (
-            "Requests that reused nothing: no shared prefix, or a shared prefix that could not be restored.",
-            [
-                ({"reason": "no_shared_prefix"}, stats.misses_no_prefix),
-                ({"reason": "not_restorable"}, stats.misses_unrestorable),
-            ],
-        ),
-        "prefix_cache_evicted_nodes_total": (
-            "Trie nodes deleted to keep the budget.",
-            [({}, stats.evicted_nodes)],
-        ),
-        "prefix_cache_disk_writes_total": ("Nodes demoted to the disk tier.", [({}, stats.disk_writes)]),
-        "prefix_cache_disk_reads_total": ("Nodes loaded back from the disk tier.", [({}, stats.disk_reads)]),
-        "prefix_cache_disk_errors_total": ("Disk-tier files found unusable.", [({}, stats.disk_errors)]),
-        "prefix_cache_compacted_snapshots_total": (
+        "prefix_cache_evicted_nodes": ("Trie nodes deleted to keep the budget.", stats.evicted_nodes),
+        "prefix_cache_disk_writes": ("Nodes demoted to the disk tier.", stats.disk_writes),
+        "prefix_cache_disk_reads": ("Nodes loaded back from the disk tier.", stats.disk_reads),
+        "prefix_cache_disk_errors": ("Disk-tier files found unusable.", stats.disk_errors),
+        "prefix_cache_compacted_snapshots": (
             "Snapshots whose scan-input logs were dropped to keep the budget.",
-            [({}, stats.compacted_snapshots)],
+            stats.compacted_snapshots,
         ),
     }
-    for kind, table in (("gauge", gauges), ("counter", counters)):
-        for name, (help_text, samples) in table.items():
-            _series(lines, kind, name, help_text, samples)
+    for name, (help_text, value) in counters.items():
+        yield _counter(name, help_text, [((), value)])
 
 
-def _speculative(lines: list[str], speculator) -> None:
+def _speculative(speculator):
     """Speculative decoding counters and the controller's acceptance estimate (read unlocked, like
     the prefix cache's)."""
     totals = speculator.totals
     counters = {
-        "speculative_drafted_tokens_total": ("Draft tokens verified by the target.", totals.drafted_tokens),
-        "speculative_accepted_tokens_total": ("Draft tokens accepted.", totals.accepted_tokens),
-        "speculative_verify_passes_total": ("Target forwards that verified a draft.", totals.verify_passes),
+        "speculative_drafted_tokens": ("Draft tokens verified by the target.", totals.drafted_tokens),
+        "speculative_accepted_tokens": ("Draft tokens accepted.", totals.accepted_tokens),
+        "speculative_verify_passes": ("Target forwards that verified a draft.", totals.verify_passes),
     }
     for name, (help_text, value) in counters.items():
-        _series(lines, "counter", name, help_text, [({}, value)])
-    help_text = "Recent per-position draft acceptance rate across requests (controller estimate)."
-    rate = repr(speculator.controller.acceptance)
-    _series(lines, "gauge", "speculative_acceptance_rate", help_text, [({}, rate)])
+        yield _counter(name, help_text, [((), value)])
+    yield _gauge(
+        "speculative_acceptance_rate",
+        "Recent per-position draft acceptance rate across requests (controller estimate).",
+        [((), speculator.controller.acceptance)],
+    )

@@ -8,13 +8,17 @@ built per token while streaming, where pydantic would only add cost.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+import jinja2
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from hybridlm.engine import Completion, Event, SamplingParams, TokenLogprob, Usage
+from hybridlm.engine.params import MAX_LOGPROBS
 from hybridlm.models.tokenizer import Tokenizer
 
 
@@ -38,6 +42,20 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+def _documented(**schema) -> Any:
+    """A field whose OpenAPI schema states the range `SamplingParams` enforces (the check itself stays
+    there, so every endpoint words its errors alike): schema-driven clients and fuzzers then send
+    values the server takes."""
+    return Field(default=None, json_schema_extra=schema)
+
+
+_MESSAGE = {
+    "type": "object",
+    "required": ["role", "content"],
+    "properties": {"role": {"enum": ["system", "user", "assistant", "tool"]}, "content": {"type": "string"}},
+}
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
     include_usage: bool = False
@@ -51,20 +69,20 @@ class _GenerationRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    n: int | None = None
+    n: int | None = _documented(minimum=1, maximum=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    seed: int | None = None
+    max_tokens: int | None = _documented(minimum=1)
+    temperature: float | None = _documented(minimum=0, maximum=100)
+    top_p: float | None = _documented(exclusiveMinimum=0, maximum=1)
+    top_k: int | None = _documented(minimum=-1)
+    min_p: float | None = _documented(minimum=0, maximum=1)
+    presence_penalty: float | None = _documented(minimum=-2, maximum=2)
+    frequency_penalty: float | None = _documented(minimum=-2, maximum=2)
+    repetition_penalty: float | None = _documented(exclusiveMinimum=0, maximum=100)
+    seed: int | None = _documented(minimum=-(2**63), maximum=2**64 - 1)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = _documented(items={"type": "integer", "minimum": 0})
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     speculative: bool = True
@@ -101,11 +119,11 @@ class ChatCompletionRequest(_GenerationRequest):
     """`POST /v1/chat/completions`. `tools` and `chat_template_kwargs` (e.g. `enable_thinking`) are
     handed to the chat template; tool calls in the output are not parsed."""
 
-    messages: list[dict[str, Any]]
+    messages: list[dict[str, Any]] = Field(json_schema_extra={"items": _MESSAGE, "minItems": 1})
     tools: list[dict[str, Any]] | None = None
-    max_completion_tokens: int | None = None
+    max_completion_tokens: int | None = _documented(minimum=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = _documented(minimum=0, maximum=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -114,8 +132,86 @@ class CompletionRequest(_GenerationRequest):
     """`POST /v1/completions`: `prompt` is text or token ids (a one-element list of either is accepted)."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = None
+    logprobs: int | None = _documented(minimum=0, maximum=MAX_LOGPROBS)
     echo: bool = False
+
+
+# Deeper JSON is refused: nothing OpenAI's shapes hold nests this far, and recursive code downstream
+# (validation, templates) must never meet a depth near Python's recursion limit.
+MAX_DEPTH = 100
+
+
+def _check_values(data: Any) -> None:
+    """Raise APIError for what JSON can carry but no handler can use: nesting deeper than MAX_DEPTH, and
+    strings with a lone UTF-16 surrogate (`"\\ud800"`: not text, the tokenizer cannot take it). Iterative,
+    so depth costs no stack."""
+    todo = [(data, 0, None)]
+    while todo:
+        value, depth, field = todo.pop()
+        if depth > MAX_DEPTH:
+            raise APIError(400, f"the request body nests deeper than {MAX_DEPTH} levels", param=field)
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                where = field or "body"
+                raise APIError(400, f"{where}: a string holds a lone UTF-16 surrogate", param=field) from None
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                name = key if depth == 0 else field
+                todo += [(key, depth + 1, name), (item, depth + 1, name)]
+        elif isinstance(value, list):
+            todo += [(item, depth + 1, field) for item in value]
+
+
+def decode_body(raw: bytes, model: type[BaseModel]) -> BaseModel:
+    """A request body as `model`, or APIError(400) naming the top-level field at fault (as OpenAI does).
+    Blocking (its cost grows with the body): handlers run it off the event loop."""
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise APIError(400, f"the request body nests deeper than {MAX_DEPTH} levels") from None
+    _check_values(data)
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        first = e.errors()[0]
+        param = str(first["loc"][0]) if first["loc"] else None  # the top-level field, as OpenAI names it
+        raise APIError(400, f"{param or 'body'}: {first['msg']}", param=param) from None
+
+
+def request_body(model: type[BaseModel]) -> dict:
+    """A route's `openapi_extra` describing its JSON body as `model` (handlers parse bodies themselves,
+    with `decode_body`, to keep OpenAI's error shape)."""
+    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+
+def openapi_schema(app, model_name: str) -> dict:
+    """The app's OpenAPI schema with the request models of `request_body` in its components (`model`:
+    the one served)."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for model in (ChatCompletionRequest, CompletionRequest):
+            described = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(described.pop("$defs", {}))
+            described["properties"]["model"] = {"anyOf": [{"const": model_name}, {"type": "null"}]}
+            components[model.__name__] = described
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
+def chat_prompt_ids(tokenizer: Tokenizer, body: ChatCompletionRequest) -> list[int]:
+    """The prompt's token ids: the chat template's text, encoded (APIError(400) when the template
+    rejects the messages). Blocking: handlers run it off the event loop."""
+    try:
+        prompt = render_chat(tokenizer, body)
+    except (jinja2.TemplateError, ValueError, TypeError, RecursionError) as e:
+        raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
+    return tokenizer.encode(prompt)
 
 
 def render_chat(tokenizer: Tokenizer, body: ChatCompletionRequest) -> str:

@@ -26,8 +26,8 @@ from hybridlm.models.base import CausalLM
 from hybridlm.models.gemma4 import Gemma4
 from hybridlm.models.gemma4_assistant import Gemma4Assistant, load_assistant, target_kv
 from hybridlm.models.loader import read_json
+from hybridlm.ops.quant import QUANTIZATIONS, quantize_
 from hybridlm.speculative.base import Draft, TargetCacheDrafter, TargetPolicy, draw
-from hybridlm.speculative.draft import QUANTIZATIONS
 
 MODEL_TYPE = "gemma4_assistant"
 
@@ -54,15 +54,14 @@ class Assistant:
 
     @classmethod
     def load(cls, path: str | Path, target: CausalLM, quantize: str | None = None) -> Assistant:
-        """Load checkpoint directory `path` in the target's dtype, on its device; `quantize="int8"`
-        makes its linear layers weight-only int8."""
-        from hybridlm.ops.linear import quantize_int8_
-
+        """Load checkpoint directory `path` in the target's dtype, on its device; `quantize` ("int8" /
+        "int4") makes its linear layers weight-only quantized (but the LM head when ordered embeddings
+        read its weight as a table)."""
         if quantize not in (None, *QUANTIZATIONS):
             raise ValueError(f"unknown draft quantization {quantize!r}; known: {', '.join(QUANTIZATIONS)}")
         model = load_assistant(path, dtype=target.dtype, device=target.device)
-        if quantize == "int8":
-            quantize_int8_(model)
+        if quantize is not None:
+            quantize_(model, quantize, skip=("lm_head",) if model.config.use_ordered_embeddings else ())
         return cls(target, model)
 
     def __call__(self) -> AssistantDrafter:

@@ -24,6 +24,7 @@ import torch
 from hybridlm.batch import Batch
 from hybridlm.cache.base import LayerCache, Snapshot
 from hybridlm.models.base import CausalLM
+from hybridlm.ops.quant import QUANTIZATIONS
 from hybridlm.speculative.base import Draft, Drafter, TargetPolicy, draw
 from hybridlm.speculative.verify import commit_caches
 
@@ -31,7 +32,6 @@ if TYPE_CHECKING:
     from hybridlm.prefix.cache import Session
     from hybridlm.speculative.assistant import Assistant
 
-QUANTIZATIONS = ("int8",)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -48,7 +48,7 @@ def load_draft(
     """The drafter factory for draft checkpoint directory `path`: an
     `Assistant` when it holds a Gemma 4 assistant (it drafts from `target`'s caches and hidden states,
     in the target's dtype; ValueError unless `target` is a Gemma 4 it fits), else a `DraftModel` in
-    `dtype` on the target's device. `quantize="int8"`: weight-only int8 linear layers."""
+    `dtype` on the target's device. `quantize` ("int8" / "int4"): weight-only quantized linear layers."""
     from hybridlm.speculative.assistant import Assistant, is_assistant  # it imports this module
 
     if is_assistant(path):
@@ -70,18 +70,13 @@ class DraftModel:
     def load(
         cls, path: str | Path, dtype: torch.dtype | None = None, device=None, quantize: str | None = None
     ) -> DraftModel:
-        """Load a checkpoint directory; `quantize="int8"` makes every linear layer weight-only int8
-        (per-output-channel scales), halving the bytes a bf16 draft step reads."""
+        """Load a checkpoint directory; `quantize` ("int8" / "int4") makes every linear layer
+        weight-only quantized (`models.quantized`): a bf16 draft step reads half (a quarter) the bytes."""
         from hybridlm.models import load_model
 
         if quantize not in (None, *QUANTIZATIONS):
             raise ValueError(f"unknown draft quantization {quantize!r}; known: {', '.join(QUANTIZATIONS)}")
-        model = load_model(path, dtype=dtype, device=device)
-        if quantize == "int8":
-            from hybridlm.ops.linear import quantize_int8_
-
-            quantize_int8_(model)
-        return cls(model)
+        return cls(load_model(path, dtype=dtype, device=device, quantize=quantize))
 
     def __call__(self) -> DraftModelDrafter:
         return DraftModelDrafter(self.model, self.prefill_chunk)

@@ -1,0 +1,75 @@
+"""`hybridlm bench quality`: how far quantized weights move the next-token distributions.
+
+As llama.cpp's ``--kl-divergence``: the same token sequences go through the bf16 model and the
+quantized one; per position it takes KL(P_bf16 ‖ P_quant) of the next-token distributions (nats)
+and whether both pick the same top-1 token. Sequences are seeded random token ids (the preset
+checkpoints have random weights and no tokenizer), fed as fresh prefills of `context` tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from hybridlm.batch import Batch
+from hybridlm.bench.forward import load_bench_model
+from hybridlm.models.base import CausalLM
+from hybridlm.ops.quant import QUANTIZATIONS
+
+
+def sequences(vocab_size: int, tokens: int, context: int, seed: int = 0) -> list[list[int]]:
+    """ceil(tokens / context) seeded random id sequences of `context` ids (the last one shorter)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab_size, (tokens,), generator=g).tolist()
+    return [ids[i : i + context] for i in range(0, tokens, context)]
+
+
+@torch.no_grad()
+def compare(reference: CausalLM, candidate: CausalLM, seqs: list[list[int]]) -> dict:
+    """KL(P_reference ‖ P_candidate) per position, in nats (mean, 99th percentile, max), and the
+    share of positions whose top-1 tokens agree, over every position of `seqs`."""
+    kls, agree = [], 0
+    for ids in seqs:
+        logits = []
+        for model in (reference, candidate):
+            batch = Batch.single(ids, device=model.device)
+            logits.append(model(batch, model.make_caches(1), logits="all")[0].float())
+        p, q = (torch.log_softmax(x, dim=-1) for x in logits)
+        kls.append((p.exp() * (p - q)).sum(-1).clamp_min(0).cpu())
+        agree += int((logits[0].argmax(-1) == logits[1].argmax(-1)).sum())
+        del logits, p, q
+    kl = torch.cat(kls).double()
+    return {
+        "tokens": kl.numel(),
+        "kl_mean": kl.mean().item(),
+        "kl_p99": kl.quantile(0.99).item(),
+        "kl_max": kl.max().item(),
+        "top1_agreement": agree / kl.numel(),
+    }
+
+
+def main(args) -> int:
+    from hybridlm.models import load_model
+
+    schemes = [args.quantize] if args.quantize else list(QUANTIZATIONS)
+    args.quantize = None
+    reference, path, dtype = load_bench_model(args)
+    seqs = sequences(reference.vocab_size, args.tokens, args.context, args.seed)
+    report = {"model": str(path), "threads": torch.get_num_threads(), "tokens": args.tokens,
+              "context": args.context, "seed": args.seed, "schemes": {}}
+    for scheme in schemes:
+        print(f"{scheme}: quantizing and comparing over {args.tokens} tokens ...", flush=True)
+        candidate = load_model(path, dtype=dtype, device=args.device, quantize=scheme)
+        report["schemes"][scheme] = compare(reference, candidate, seqs)
+        del candidate
+    reference_dtype = str(dtype).removeprefix("torch.")
+    print(f"\n{path}: {args.tokens} tokens in sequences of {args.context}, against {reference_dtype}")
+    print(f"{'weights':<9}{'KL mean':>11}{'KL p99':>11}{'KL max':>11}{'top-1 agree':>13}")
+    for scheme, r in report["schemes"].items():
+        print(f"{scheme:<9}{r['kl_mean']:>11.5f}{r['kl_p99']:>11.5f}{r['kl_max']:>11.5f}"
+              f"{r['top1_agreement']:>13.2%}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    return 0

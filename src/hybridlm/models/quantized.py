@@ -1,0 +1,174 @@
+"""Whole-model weight-only quantization (int8 / int4) and quantized checkpoints.
+
+`quantize_model` swaps every linear layer of a loaded model, the LM head included, for a
+`QuantLinear` (`ops.quant`). The embedding table stays in the model's dtype: a lookup reads one row
+per token, so quantizing it would save memory but no decode time, and with tied embeddings the head
+is quantized on its own while the table keeps serving lookups.
+
+A quantized checkpoint is a directory written by `save_quantized`:
+
+- ``config.json``: the source's, plus ``"quantization_config": {"quant_method": "hybridlm",
+  "scheme": "int8" | "int4", "bits": 8 | 4, "group_size": G, "layout": ...}``;
+- ``model.safetensors``: tensors under the implementation's parameter names (after the family's
+  renaming and fusing, so loading needs neither), where each quantized layer ``X`` holds, as in
+  GPTQ's naming, ``X.qweight`` and ``X.scales`` (and ``X.bias`` when it has one) instead of
+  ``X.weight``:
+
+  - int8: ``qweight`` int8 [out, in], symmetric per output channel; ``scales`` float32 [out];
+    ``W = qweight * scales[:, None]``.
+  - int4: ``qweight`` uint8 [out, in / 2], two weights a byte: per block of 64 weights of a row, byte
+    i holds weight i + 8 in its low nibble and weight i + 32 + 8 in its high nibble (symmetric, q in
+    [-8, 7], no zero points); ``scales`` bf16 [out, in / G], one per group of G weights of a row;
+    ``W[n, k] = q[n, k] * scales[n, k // G]``. Unlike GPTQ's ``qweight`` (int32 words packing eight
+    rows of the input dimension, transposed, with ``qzeros`` and ``g_idx``) the packing follows the
+    CPU kernel's reads: one row is contiguous and a 32-byte load yields 64 consecutive weights.
+
+  Everything else (embedding table, norms, convolutions, MoE expert stacks) keeps the model's dtype;
+  the source's ``mtp.*`` tensors are copied unchanged, so a multi-token-prediction head still loads.
+- the source's other files (tokenizer, chat template, generation config).
+
+Loading a quantized checkpoint gives the very same tensors, hence bit-identical logits.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from hybridlm.models.base import CausalLM
+from hybridlm.models.loader import (
+    CheckpointError,
+    check_tensors,
+    default_device,
+    placed,
+    read_json,
+    read_tensors,
+    weight_files,
+)
+from hybridlm.ops.quant import INT4_GROUP, QUANTIZATIONS, QuantLinear, quantize_
+
+__all__ = ["QUANT_METHOD", "is_quantized", "load_quantized", "quantize_model", "save_quantized"]
+
+QUANT_METHOD = "hybridlm"
+LAYOUT = "qweight/scales per linear layer; int4 packed in 64-weight blocks (docs: models/quantized.py)"
+WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def is_quantized(raw: dict) -> bool:
+    """Whether config.json's contents `raw` describe a checkpoint written by `save_quantized`."""
+    return (raw.get("quantization_config") or {}).get("quant_method") == QUANT_METHOD
+
+
+def _place_buffers(model: nn.Module) -> None:
+    """Move each quantized layer's buffers into `placed` memory (huge pages on the CPU)."""
+    for layer in model.modules():
+        if isinstance(layer, QuantLinear):
+            for name in ("qweight", "scales"):
+                t = getattr(layer, name)
+                setattr(layer, name, placed(t, t.device, t.dtype))
+
+
+@torch.no_grad()
+def quantize_model(model: CausalLM, scheme: str, group_size: int = INT4_GROUP) -> CausalLM:
+    """Quantize every linear layer of `model` (LM head included) by `scheme` ("int8" / "int4"), in
+    place; returns `model`, with ``model.quantization`` = {"scheme", "group_size"}."""
+    if scheme not in QUANTIZATIONS:
+        raise ValueError(f"unknown quantization {scheme!r}; known: {', '.join(QUANTIZATIONS)}")
+    if getattr(model, "quantization", None):
+        raise ValueError(f"the model is already quantized ({model.quantization['scheme']})")
+    quantize_(model, scheme, group_size)
+    _place_buffers(model)
+    model.quantization = {"scheme": scheme, "group_size": group_size if scheme == "int4" else None}
+    return model
+
+
+def save_quantized(model: CausalLM, source: str | Path, out: str | Path) -> Path:
+    """Write quantized `model` (loaded from checkpoint directory `source`) as a quantized checkpoint
+    directory `out` (see the module docstring); returns `out`."""
+    source, out = Path(source), Path(out)
+    quant = getattr(model, "quantization", None)
+    if not quant:
+        raise ValueError("the model is not quantized (quantize_model first)")
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if model.tied and isinstance(model.lm_head, nn.Linear):
+        state.pop("lm_head.weight")  # the embedding table, tied back on load
+    for file in weight_files(source):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                if name.startswith("mtp."):
+                    state[name] = f.get_tensor(name)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.cpu() for k, v in state.items()}, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+    for f in source.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", INDEX_FILE):
+            shutil.copy2(f, out / f.name)
+    raw = read_json(source / "config.json")
+    bits = 8 if quant["scheme"] == "int8" else 4
+    raw["quantization_config"] = {
+        "quant_method": QUANT_METHOD, "scheme": quant["scheme"], "bits": bits,
+        "group_size": quant["group_size"], "layout": LAYOUT,
+    }
+    (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    return out
+
+
+def _empty_layer(layer: nn.Linear, q: torch.Tensor, scales: torch.Tensor | None, what: str) -> QuantLinear:
+    """The `QuantLinear` (on the current device, meta when loading) that tensors `q` / `scales`
+    describe for `layer`; CheckpointError naming `what` when they fit no layout."""
+    bits = {torch.int8: 8, torch.uint8: 4}.get(q.dtype)
+    want = {8: (torch.float32, 1), 4: (torch.bfloat16, 2)}.get(bits)
+    if want is None or scales is None or (scales.dtype, scales.dim()) != want:
+        raise CheckpointError(f"{what} is not an int8 / int4 layer of this layout "
+                              "(qweight int8 + float32 scales [out], or uint8 + bf16 scales [out, groups])")
+    group = layer.in_features // max(1, scales.shape[-1]) if bits == 4 else layer.in_features
+    try:
+        return QuantLinear(layer.in_features, layer.out_features, bits, group, layer.bias is not None)
+    except ValueError as e:
+        raise CheckpointError(f"{what}: {e}") from None
+
+
+def load_quantized(cls, root: Path, raw: dict, dtype: torch.dtype | None = None, device=None) -> CausalLM:
+    """Build `cls` from a quantized checkpoint directory `root` (config.json contents `raw`), all or
+    nothing: every tensor is checked (name, shape, dtype of the quantized ones)."""
+    config = cls.text_config(raw)
+    dtype = dtype or torch.bfloat16
+    device = torch.device(device) if device is not None else default_device()
+    state, source = read_tensors(weight_files(root), lambda name: None if name.startswith("mtp.") else name)
+    with torch.device("meta"):
+        model = cls(config)
+        for name in [n.removesuffix(".qweight") for n in state if n.endswith(".qweight")]:
+            where = source[name + ".qweight"]
+            parent_name, _, attr = name.rpartition(".")
+            try:
+                parent = model.get_submodule(parent_name)
+            except AttributeError:
+                raise CheckpointError(f"{where}: {name!r} is no layer of the model") from None
+            layer = getattr(parent, attr, None)
+            if not isinstance(layer, nn.Linear):
+                raise CheckpointError(f"{where}: {name!r} is not a linear layer")
+            setattr(parent, attr, _empty_layer(layer, state[name + ".qweight"], state.get(name + ".scales"),
+                                               f"{where}: {name!r}"))
+    expected = {k: v.shape for k, v in model.state_dict().items()}
+    tie = model.tied and isinstance(model.lm_head, nn.Linear)
+    if tie:
+        expected.pop("lm_head.weight", None)
+    check_tensors(state, expected, source, root)
+
+    def keeps_dtype(name: str, t: torch.Tensor) -> bool:
+        return not t.is_floating_point() or name.endswith(".scales")
+
+    state = {k: placed(v, device, v.dtype if keeps_dtype(k, v) else dtype) for k, v in state.items()}
+    model.load_state_dict(state, strict=False, assign=True)
+    if tie:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.eval()
+    quant = raw["quantization_config"]
+    model.quantization = {"scheme": quant.get("scheme"), "group_size": quant.get("group_size")}
+    return model

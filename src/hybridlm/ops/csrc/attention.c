@@ -1,0 +1,129 @@
+#include "bf16.h"
+#include <math.h>
+#include <stdlib.h>
+
+#define KB 64  /* keys per block, aligned to absolute positions */
+
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
+static inline f32x16 load16(const void* p, int bf16) {
+    f32x16 v;
+    if (bf16) {
+        u16x16 h; memcpy(&h, p, sizeof h);
+        u32x16 u = __builtin_convertvector(h, u32x16) << 16;
+        memcpy(&v, &u, sizeof v);
+    } else memcpy(&v, p, sizeof v);
+    return v;
+}
+static inline float hsum(f32x16 v) {
+    float s = 0.f;
+    for (int i = 0; i < 16; i++) s += v[i];
+    return s;
+}
+/* dot(a[0:D], b[0:D]) with a float32 and b in the element type; fixed summation order. */
+static inline float dot(const float* a, const void* b, int64_t D, int bf16) {
+    f32x16 acc = {0};
+    int64_t i = 0;
+    const size_t es = bf16 ? 2 : 4;
+    for (; i + 16 <= D; i += 16) {
+        f32x16 av; memcpy(&av, a + i, sizeof av);
+        acc += av * load16((const char*)b + i * es, bf16);
+    }
+    float s = hsum(acc);
+    for (; i < D; i++) s += a[i] * load(b, i, bf16);
+    return s;
+}
+static inline void axpy(float* y, float a, const void* x, int64_t D, int bf16) {
+    int64_t i = 0;
+    const size_t es = bf16 ? 2 : 4;
+    for (; i + 16 <= D; i += 16) {
+        f32x16 yv; memcpy(&yv, y + i, sizeof yv);
+        yv += a * load16((const char*)x + i * es, bf16);
+        memcpy(y + i, &yv, sizeof yv);
+    }
+    for (; i < D; i++) y[i] += a * load(x, i, bf16);
+}
+
+/* q [B, Hq, L, D], k [B, Hkv, T, D], v [B, Hkv, T, Dv] (strides in elements, last dim contiguous),
+   out [B, Hq, L, Dv] contiguous; qpos [B, L] absolute query positions; key row j holds position
+   key_start + j. A query at p sees keys at positions in [p - window + 1, p] (window 0: [0, p]).
+   Returns 0, or -1 when out of memory. */
+int hybridlm_attention(const void* q, const void* k, const void* v, void* out, const int64_t* qpos,
+                       int64_t B, int64_t Hq, int64_t Hkv, int64_t L, int64_t T, int64_t D, int64_t Dv,
+                       int64_t q_sb, int64_t q_sh, int64_t q_sl, int64_t k_sb, int64_t k_sh,
+                       int64_t k_st, int64_t v_sb, int64_t v_sh, int64_t v_st, int64_t key_start,
+                       int64_t window, float scale, float softcap, int is_bf16, int nthreads) {
+    const int64_t rep = Hq / Hkv, R = rep * L;
+    const size_t es = is_bf16 ? 2 : 4;
+    int failed = 0;
+    #pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t bg = 0; bg < B * Hkv; bg++) {
+        const int64_t b = bg / Hkv, g = bg % Hkv;
+        float* buf = malloc(sizeof(float) * (R * (D + Dv + 2) + KB));
+        if (!buf) {
+            #pragma omp atomic write
+            failed = 1;
+            continue;
+        }
+        float *qf = buf, *acc = qf + R * D, *m = acc + R * Dv, *l = m + R, *sc = l + R;
+        int64_t lo = INT64_MAX, hi = -1;
+        for (int64_t r = 0; r < R; r++) {
+            const int64_t h = g * rep + r / L, t = r % L;
+            const int64_t qrow = b * q_sb + h * q_sh + t * q_sl;
+            for (int64_t i = 0; i < D; i++) qf[r * D + i] = load(q, qrow + i, is_bf16);
+            for (int64_t i = 0; i < Dv; i++) acc[r * Dv + i] = 0.f;
+            m[r] = -INFINITY;
+            l[r] = 0.f;
+            const int64_t p = qpos[b * L + t], first = window > 0 ? p - window + 1 : 0;
+            if (first < lo) lo = first;
+            if (p > hi) hi = p;
+        }
+        if (lo < key_start) lo = key_start;
+        if (hi > key_start + T - 1) hi = key_start + T - 1;
+        const int64_t b0 = lo >= 0 ? lo / KB * KB : 0;
+        for (int64_t p0 = b0; p0 <= hi; p0 += KB) {
+            for (int64_t r = 0; r < R; r++) {
+                const int64_t p = qpos[b * L + r % L];
+                int64_t a = p0, z = p0 + KB - 1;
+                if (a < key_start) a = key_start;
+                if (window > 0 && a < p - window + 1) a = p - window + 1;
+                if (z > p) z = p;
+                if (z > key_start + T - 1) z = key_start + T - 1;
+                if (a > z) continue;
+                float bm = -INFINITY;
+                for (int64_t j = a; j <= z; j++) {
+                    const char* kj = (const char*)k + (b * k_sb + g * k_sh + (j - key_start) * k_st) * es;
+                    float s = dot(qf + r * D, kj, D, is_bf16) * scale;
+                    if (softcap > 0.f) s = tanhf(s / softcap) * softcap;
+                    sc[j - a] = s;
+                    if (s > bm) bm = s;
+                }
+                const float mn = bm > m[r] ? bm : m[r];
+                const float alpha = expf(m[r] - mn);
+                float* ar = acc + r * Dv;
+                for (int64_t i = 0; i < Dv; i++) ar[i] *= alpha;
+                l[r] *= alpha;
+                for (int64_t j = a; j <= z; j++) {
+                    const float e = expf(sc[j - a] - mn);
+                    l[r] += e;
+                    const char* vj = (const char*)v + (b * v_sb + g * v_sh + (j - key_start) * v_st) * es;
+                    axpy(ar, e, vj, Dv, is_bf16);
+                }
+                m[r] = mn;
+            }
+        }
+        for (int64_t r = 0; r < R; r++) {
+            const int64_t h = g * rep + r / L, t = r % L;
+            const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+            for (int64_t i = 0; i < Dv; i++) {
+                const int64_t o = ((b * Hq + h) * L + t) * Dv + i;
+                const float y = acc[r * Dv + i] * inv;
+                store(out, o, y, is_bf16);
+            }
+        }
+        free(buf);
+    }
+    return failed ? -1 : 0;
+}

@@ -1,0 +1,24 @@
+/* Shared by the kernels: bf16 conversions and element access. bf16 is the upper half of an fp32. */
+#ifndef HYBRIDLM_BF16_H
+#define HYBRIDLM_BF16_H
+#include <stdint.h>
+#include <string.h>
+
+static inline float bf16_to_f32(uint16_t v) {
+    uint32_t u = (uint32_t)v << 16; float f; memcpy(&f, &u, 4); return f;
+}
+static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, keep NaN a NaN */
+    uint32_t u; memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+/* Element i of a bf16 (bf16 != 0) or float32 array, as float32; and back. */
+static inline float load(const void* p, int64_t i, int bf16) {
+    return bf16 ? bf16_to_f32(((const uint16_t*)p)[i]) : ((const float*)p)[i];
+}
+static inline void store(void* p, int64_t i, float v, int bf16) {
+    if (bf16) ((uint16_t*)p)[i] = f32_to_bf16(v); else ((float*)p)[i] = v;
+}
+/* v rounded as a bf16 tensor op would round its result (identity for float32) */
+static inline float round_to(float v, int bf16) { return bf16 ? bf16_to_f32(f32_to_bf16(v)) : v; }
+#endif

@@ -1,0 +1,221 @@
+"""Weight-only int8 / int4 linear layers: quantized weights, bf16 activations, float32 accumulation.
+
+Decode reads every weight once per token, so its speed is bandwidth ÷ weight bytes: int8 halves a
+bf16 weight's bytes, int4 (with one bf16 scale per group of 64) reads 4.25 bits a weight.
+
+- int8: symmetric per output channel, ``scale[n] = max|w[n]| / 127``, ``q = round(w / scale)``.
+- int4: symmetric per group of ``group_size`` weights of a row, with the sign of the group's
+  largest-magnitude weight mapped to -8 (as llama.cpp's Q4_0 does, so all 16 levels are used):
+  ``scale = w_max / -8`` rounded to bf16, ``q = clamp(round(w / scale), -8, 7)``.
+
+Few-row bf16 CPU inputs (decode, speculative verify: up to ``FEW_TOKENS`` rows) run the C kernels of
+``csrc/quant.c``, which read the packed weights directly and compute each row as they would alone.
+Larger inputs (prefill) dequantize the weight to bf16 in slabs of rows and use the bf16 GEMM
+(``F.linear``); so do other devices and dtypes (where the whole weight is dequantized by torch).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridlm.ops.native import FEW_TOKENS, NativeKernel
+
+__all__ = ["QUANTIZATIONS", "QuantLinear", "pack_int4", "quantize_", "unpack_int4"]
+
+QUANTIZATIONS = ("int8", "int4")
+# int4 group size: 32 / 64 / 128 measured on the Qwen3.5-0.8B preset (docs/architecture.md): 64 reads
+# 4.25 bits a weight, keeps the int4 top-1 agreement of 32 within noise and decodes as fast as 128.
+INT4_GROUP = 64
+# int4 kernels work on blocks of 64 weights (32 bytes: weight i low nibble, weight i + 32 high).
+INT4_BLOCK = 64
+# Prefill dequantizes this many weight elements at a time (a bf16 slab of 16 MiB): the LM head of a
+# 248k vocabulary never exists as a whole bf16 copy.
+SLAB_ELEMENTS = 1 << 23
+
+_p, _i64, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+INT8_KERNEL = NativeKernel(
+    "quant", "quant.c", "hybridlm_linear_int8", [_p, _i64, _p, _p, _p, _p, _i64, _i64, _int], _int,
+    fallback="dequantized F.linear",
+)
+INT4_KERNEL = NativeKernel(
+    "quant", "quant.c", "hybridlm_linear_int4", [_p, _i64, _p, _p, _p, _p, _i64, _i64, _i64, _int], _int,
+    fallback="dequantized F.linear",
+)
+DEQUANT_INT8 = NativeKernel(
+    "quant", "quant.c", "hybridlm_dequant_int8", [_p, _p, _p, _i64, _i64, _i64, _int], None,
+    fallback="torch dequantization",
+)
+DEQUANT_INT4 = NativeKernel(
+    "quant", "quant.c", "hybridlm_dequant_int4", [_p, _p, _p, _i64, _i64, _i64, _i64, _int], None,
+    fallback="torch dequantization",
+)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """q [N, K] int8 in [-8, 7], K % 64 == 0 -> [N, K / 2] uint8: per block of 64 weights, byte i
+    holds ``q[i] + 8`` in its low nibble and ``q[i + 32] + 8`` in its high nibble."""
+    n, k = q.shape
+    u = (q.to(torch.int16) + 8).to(torch.uint8).view(n, k // INT4_BLOCK, 2, INT4_BLOCK // 2)
+    return (u[:, :, 0] | (u[:, :, 1] << 4)).reshape(n, k // 2)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of `pack_int4`: [N, K / 2] uint8 -> [N, K] int8 in [-8, 7]."""
+    n, half = packed.shape
+    b = packed.view(n, half // (INT4_BLOCK // 2), 1, INT4_BLOCK // 2)
+    u = torch.cat([b & 15, b >> 4], dim=2)
+    return (u.to(torch.int8) - 8).reshape(n, half * 2)
+
+
+class QuantLinear(nn.Module):
+    """A weight-only quantized ``Linear`` (made by `from_linear`, or built empty to load into).
+
+    Buffers: ``qweight`` — int8 [out, in] (bits 8) or packed int4 uint8 [out, in / 2] (bits 4, see
+    `pack_int4`); ``scales`` — float32 [out] (int8) or bf16 [out, in / group_size] (int4); ``bias``
+    [out] in the activation dtype, or None.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bits: int, group_size: int, bias: bool,
+                 device=None, dtype=torch.bfloat16):
+        super().__init__()
+        if bits not in (4, 8):
+            raise ValueError(f"bits must be 4 or 8, got {bits}")
+        if bits == 4 and (group_size % 32 or in_features % group_size or in_features % INT4_BLOCK):
+            raise ValueError(f"int4 needs in_features ({in_features}) divisible by 64 and by group_size "
+                             f"({group_size}, a multiple of 32)")
+        self.in_features, self.out_features = in_features, out_features
+        self.bits, self.group_size = bits, group_size if bits == 4 else in_features
+        if bits == 8:
+            q = torch.zeros(out_features, in_features, dtype=torch.int8, device=device)
+            s = torch.ones(out_features, dtype=torch.float32, device=device)
+        else:
+            q = torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device)
+            s = torch.ones(out_features, in_features // group_size, dtype=torch.bfloat16, device=device)
+        self.register_buffer("qweight", q)
+        self.register_buffer("scales", s)
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False) \
+            if bias else None
+
+    @classmethod
+    @torch.no_grad()
+    def from_linear(cls, layer: nn.Linear, scheme: str, group_size: int = INT4_GROUP) -> QuantLinear:
+        """Quantize `layer` (any dtype, any device) by `scheme` ("int8" or "int4")."""
+        w = layer.weight.detach().float()
+        n, k = w.shape
+        bits = {"int8": 8, "int4": 4}[scheme]
+        out = cls(k, n, bits, group_size, layer.bias is not None, device=w.device, dtype=layer.weight.dtype)
+        tiny = torch.finfo(torch.float32).tiny
+        if bits == 8:
+            scale = (w.abs().amax(dim=1) / 127.0).clamp_min(tiny)
+            out.qweight.copy_(torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8))
+            out.scales.copy_(scale)
+        else:
+            g = w.view(n, k // group_size, group_size)
+            # the group's largest-magnitude weight, with its sign, becomes -8
+            peak = g.gather(2, g.abs().argmax(dim=2, keepdim=True)).squeeze(2)
+            scale = (peak / -8.0).to(torch.bfloat16)
+            scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+            q = torch.round(g / scale.float()[..., None]).clamp_(-8, 7).to(torch.int8).view(n, k)
+            out.qweight.copy_(pack_int4(q))
+            out.scales.copy_(scale)
+        if layer.bias is not None:
+            out.bias.copy_(layer.bias.detach())
+        return out
+
+    def dequantized(self, dtype: torch.dtype = torch.bfloat16, rows: slice | None = None) -> torch.Tensor:
+        """The weight [out, in] (or `rows` of it) as `dtype`, by torch ops (any device)."""
+        rows = rows or slice(None)
+        q, s = self.qweight[rows], self.scales[rows]
+        if self.bits == 8:
+            return (q.float() * s[:, None]).to(dtype)
+        w = unpack_int4(q).float().view(q.shape[0], -1, self.group_size) * s.float()[..., None]
+        return w.view(q.shape[0], self.in_features).to(dtype)
+
+    def _dequantized_slab(self, n0: int, n1: int) -> torch.Tensor:
+        """Rows [n0, n1) as bf16, by the C kernel when it is built."""
+        fn = (DEQUANT_INT8 if self.bits == 8 else DEQUANT_INT4).get() if self.qweight.is_cpu else None
+        if fn is None:
+            return self.dequantized(torch.bfloat16, slice(n0, n1))
+        w = torch.empty(n1 - n0, self.in_features, dtype=torch.bfloat16)
+        args = [self.qweight.data_ptr(), self.scales.data_ptr(), w.data_ptr(), n0, n1, self.in_features]
+        if self.bits == 4:
+            args.append(self.group_size)
+        fn(*args, torch.get_num_threads())
+        return w
+
+    def _kernel_applies(self, x: torch.Tensor) -> bool:
+        """bf16 CPU input of 1..FEW_TOKENS rows, CPU weights, not traced by torch.compile.
+
+        Runs on every call of every layer in decode: cheapest checks first."""
+        return (
+            x.dtype is torch.bfloat16
+            and x.is_cpu
+            and 0 < x.numel() <= FEW_TOKENS * self.in_features
+            and self.qweight.is_cpu
+            and (self.bias is None or self.bias.dtype is torch.bfloat16)
+            and not torch.compiler.is_compiling()
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in] -> [..., out] in x's dtype; few-row bf16 CPU inputs accumulate in float32
+        and round once."""
+        fn = (INT8_KERNEL if self.bits == 8 else INT4_KERNEL).get() if self._kernel_applies(x) else None
+        if fn is None:
+            return self._forward_dequantized(x)
+        if not x.is_contiguous():
+            x = x.contiguous()
+        y = torch.empty((*x.shape[:-1], self.out_features), dtype=torch.bfloat16)
+        bias = None if self.bias is None else self.bias.data_ptr()
+        rows, n, k = x.numel() // self.in_features, self.out_features, self.in_features
+        q, s, threads = self.qweight.data_ptr(), self.scales.data_ptr(), torch.get_num_threads()
+        if self.bits == 8:
+            fn(x.data_ptr(), rows, q, s, bias, y.data_ptr(), n, k, threads)
+        else:
+            fn(x.data_ptr(), rows, q, s, bias, y.data_ptr(), n, k, self.group_size, threads)
+        return y
+
+    def _forward_dequantized(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        if not (x.is_cpu and x.dtype is torch.bfloat16):
+            return F.linear(x, self.dequantized(x.dtype), bias)
+        step = max(1, SLAB_ELEMENTS // self.in_features)
+        if step >= self.out_features:
+            return F.linear(x, self._dequantized_slab(0, self.out_features), bias)
+        parts = []
+        for n0 in range(0, self.out_features, step):
+            n1 = min(n0 + step, self.out_features)
+            parts.append(F.linear(x, self._dequantized_slab(n0, n1), None if bias is None else bias[n0:n1]))
+        return torch.cat(parts, dim=-1)
+
+    def extra_repr(self) -> str:
+        group = f", group_size={self.group_size}" if self.bits == 4 else ""
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}"
+                f"{group}, bias={self.bias is not None}")
+
+
+def quantize_(
+    module: nn.Module, scheme: str, group_size: int = INT4_GROUP, skip: tuple[str, ...] = ()
+) -> nn.Module:
+    """Replace every ``nn.Linear`` inside `module` (but those named in `skip`, module paths) by its
+    `QuantLinear` (scheme "int8" or "int4"), in place; returns `module`, or the new layer if `module`
+    itself is a Linear. int4 layers whose input width is not a multiple of 64 and of `group_size`
+    get int8 instead."""
+    if scheme not in QUANTIZATIONS:
+        raise ValueError(f"unknown quantization {scheme!r}; known: {', '.join(QUANTIZATIONS)}")
+
+    def convert(layer: nn.Linear) -> QuantLinear:
+        k = layer.in_features
+        fits = k % INT4_BLOCK == 0 and k % group_size == 0
+        return QuantLinear.from_linear(layer, scheme if scheme == "int8" or fits else "int8", group_size)
+
+    if isinstance(module, nn.Linear):
+        return convert(module)
+    for path, child in list(module.named_modules()):
+        for attr, sub in list(child.named_children()):
+            if isinstance(sub, nn.Linear) and f"{path}.{attr}".lstrip(".") not in skip:
+                setattr(child, attr, convert(sub))
+    return module

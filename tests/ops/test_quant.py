@@ -1,0 +1,152 @@
+import pytest
+import torch
+from torch import nn
+
+import hybridlm.ops.quant as quant_mod
+from hybridlm.ops.native import FEW_TOKENS, NativeKernel
+from hybridlm.ops.quant import QuantLinear, pack_int4, quantize_, unpack_int4
+
+SCHEMES = ["int8", "int4"]
+needs_kernels = pytest.mark.skipif(
+    quant_mod.INT8_KERNEL.get() is None or quant_mod.INT4_KERNEL.get() is None,
+    reason="the quantized kernels could not be built",
+)
+
+
+def _layer(n: int, k: int, bias: bool, seed: int = 0) -> nn.Linear:
+    g = torch.Generator().manual_seed(seed)
+    layer = nn.Linear(k, n, bias=bias)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(n, k, generator=g) * 0.05)
+        if bias:
+            layer.bias.copy_(torch.randn(n, generator=g))
+    return layer.to(torch.bfloat16)
+
+
+def _x(m: int, k: int, seed: int = 1) -> torch.Tensor:
+    return torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+
+
+def _reference(q: QuantLinear, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 x @ W^T + b with W the exact dequantized weight, and the bound of |x| @ |W|^T."""
+    w = q.dequantized(torch.float64)
+    ref = x.double() @ w.T + (0 if q.bias is None else q.bias.double())
+    return ref, x.double().abs() @ w.abs().T
+
+
+@needs_kernels
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("rows", [1, 3, FEW_TOKENS])
+@pytest.mark.parametrize("shape", [(37, 128), (8, 192)])  # out % 4 != 0 and == 0; several groups
+@pytest.mark.parametrize("bias", [False, True])
+def test_decode_kernel_equals_float64_reference_rounded_once(scheme, rows, shape, bias):
+    q = QuantLinear.from_linear(_layer(*shape, bias), scheme)
+    x = _x(rows, shape[1])
+    y = q(x)
+    assert y.dtype == torch.bfloat16 and y.shape == (rows, shape[0])
+    ref, size = _reference(q, x)
+    # float32 accumulation (error ~1e-6 of the magnitudes summed), then one rounding to bf16
+    err = (y.double() - ref).abs()
+    assert torch.all(err <= ref.abs() * 2**-8 + size * 1e-5)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_prefill_dequantizes_to_bf16_and_matches_reference(scheme):
+    q = QuantLinear.from_linear(_layer(40, 256, True), scheme)
+    x = _x(FEW_TOKENS + 8, 256)
+    ref, size = _reference(q, x)
+    # the weight rounded to bf16 (2^-9 relative) then a bf16 GEMM
+    assert torch.all((q(x).double() - ref).abs() <= ref.abs() * 2**-8 + size * 2**-8)
+
+
+@needs_kernels
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_the_c_dequantization_equals_torch_bit_for_bit(scheme):
+    q = QuantLinear.from_linear(_layer(21, 320, False), scheme)
+    assert torch.equal(q._dequantized_slab(3, 17), q.dequantized(torch.bfloat16)[3:17])
+
+
+def test_prefill_in_slabs_equals_one_slab(monkeypatch):
+    q = QuantLinear.from_linear(_layer(70, 128, True), "int4")
+    x = _x(30, 128)
+    whole = q(x)
+    monkeypatch.setattr(quant_mod, "SLAB_ELEMENTS", 128 * 16)  # 16 rows a slab: 5 slabs
+    assert torch.equal(q(x), whole)
+
+
+@needs_kernels
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_a_row_is_computed_as_it_would_be_alone(scheme):
+    q = QuantLinear.from_linear(_layer(45, 256, True), scheme)
+    x = _x(FEW_TOKENS, 256)
+    alone = torch.cat([q(x[i : i + 1]) for i in range(FEW_TOKENS)])
+    for m in range(2, FEW_TOKENS + 1):
+        assert torch.equal(q(x[:m]), alone[:m])
+    assert torch.equal(q(x.view(1, FEW_TOKENS, 256))[0], alone)  # leading dims are rows too
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_without_kernels_the_dequantized_path_agrees(monkeypatch, scheme):
+    q = QuantLinear.from_linear(_layer(37, 128, True), scheme)
+    x = _x(3, 128)
+    ref, size = _reference(q, x)
+    monkeypatch.setenv("HYBRIDLM_COMPILE", "0")
+    for name in ("INT8_KERNEL", "INT4_KERNEL", "DEQUANT_INT8", "DEQUANT_INT4"):
+        k = getattr(quant_mod, name)
+        fresh = NativeKernel(k.name, k.file, k.symbol, k.argtypes, k.restype, k.fallback)
+        monkeypatch.setattr(quant_mod, name, fresh)
+    assert torch.all((q(x).double() - ref).abs() <= ref.abs() * 2**-8 + size * 2**-8)
+
+
+def test_float32_inputs_use_float32_weights():
+    layer = _layer(12, 64, True).float()
+    q = QuantLinear.from_linear(layer, "int8")
+    x = torch.randn(2, 5, 64)
+    y = q(x)
+    assert y.dtype == torch.float32 and y.shape == (2, 5, 12)
+    torch.testing.assert_close(y, x @ q.dequantized(torch.float32).T + q.bias)
+
+
+def test_int8_is_per_channel_symmetric_within_half_a_step():
+    layer = _layer(16, 96, False)
+    q = QuantLinear.from_linear(layer, "int8")
+    w = layer.weight.detach().float()
+    assert q.qweight.dtype == torch.int8 and q.scales.shape == (16,)
+    torch.testing.assert_close(q.scales, w.abs().amax(1) / 127)
+    assert torch.all((q.dequantized(torch.float32) - w).abs() <= q.scales[:, None] / 2 + 1e-7)
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int4_groups_use_all_16_levels_within_half_a_step_but_at_the_clamped_ends(group):
+    layer = _layer(8, 256, False)
+    q = QuantLinear.from_linear(layer, "int4", group_size=group)
+    assert q.qweight.shape == (8, 128) and q.scales.shape == (8, 256 // group)
+    assert q.scales.dtype == torch.bfloat16
+    levels = unpack_int4(q.qweight)
+    assert levels.min() == -8  # every group's largest-magnitude weight maps to -8
+    step = q.scales.float().abs().repeat_interleave(group, dim=1)
+    err = (q.dequantized(torch.float32) - layer.weight.detach().float()).abs()
+    inner = (levels > -8) & (levels < 7)  # the ends also take what rounding past them clamps
+    assert torch.all(err[inner] <= step[inner] / 2 + 1e-6) and torch.all(err <= step + 1e-6)
+
+
+def test_int4_packing_round_trips_and_follows_the_documented_layout():
+    q = torch.randint(-8, 8, (3, 128), dtype=torch.int8)
+    packed = pack_int4(q)
+    assert packed.shape == (3, 64) and packed.dtype == torch.uint8
+    assert torch.equal(unpack_int4(packed), q)
+    # block 1, byte 5: weight 64 + 5 (low nibble) and 64 + 37 (high nibble), each + 8
+    assert int(packed[2, 32 + 5]) == (int(q[2, 69]) + 8) | ((int(q[2, 101]) + 8) << 4)
+
+
+def test_quantize_replaces_every_linear_but_skipped_ones():
+    inner = nn.Sequential(_layer(4, 8, False))
+    model = nn.Sequential(_layer(8, 128, True), nn.ReLU(), inner, _layer(5, 128, False))
+    assert quantize_(model, "int4", skip=("3",)) is model
+    assert isinstance(model[0], QuantLinear) and model[0].bits == 4
+    # in_features 8 is no multiple of 64: int8 instead
+    assert isinstance(model[2][0], QuantLinear) and model[2][0].bits == 8
+    assert isinstance(model[3], nn.Linear)
+    assert isinstance(quantize_(_layer(4, 64, False), "int8"), QuantLinear)
+    with pytest.raises(ValueError, match="unknown quantization"):
+        quantize_(model, "int3")

@@ -1,0 +1,97 @@
+"""The command line: a bad flag is one line and a non-zero exit, never a traceback (issue 11, points
+12, 15, 19)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hybridlm.cli import build_parser
+from hybridlm.ops import native
+
+BAD = [
+    ["serve", "--port", "99999"],
+    ["serve", "--device", "cuda"],
+    ["serve", "--prefill-chunk", "0"],
+    ["serve", "--max-queue", "-5"],
+    ["serve", "--context-length", "0"],
+    ["serve", "--max-body", "lots"],
+    ["serve", "--read-timeout", "0"],
+    ["chat", "--top-p", "5"],
+    ["generate", "--prompt", "hi", "--temperature", "-1"],
+    ["generate", "--prompt", "hi", "--max-tokens", "0"],
+    ["demo-model", "--out", "/proc/hybridlm-demo"],
+]
+
+
+def hybridlm(*args: str, env: dict[str, str] | None = None, **kwargs) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "hybridlm.cli", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **(env or {})},
+        **kwargs,
+    )
+
+
+def test_bad_flags_are_one_line_and_a_nonzero_exit():
+    bad = [args for args in BAD if not (args[-1] == "cuda" and torch.cuda.is_available())]
+    procs = [(args, hybridlm(*args)) for args in bad]  # all at once: each pays the torch import
+    for args, proc in procs:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode != 0, (args, err)
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and "Traceback" not in err, (args, err)
+        assert args[-2].lstrip("-").split("-")[0] in lines[0], (args, err)
+
+
+def test_version_and_bench_help():
+    from hybridlm import __version__
+
+    version = hybridlm("--version")
+    assert version.communicate(timeout=60)[0].strip() == f"hybridlm {__version__}"
+    bench = next(
+        a for a in build_parser()._subparsers._group_actions[0].choices["bench"]._actions if a.choices
+    )
+    names = set(bench.choices)
+    assert names >= {"forward", "serve", "multiturn", "restore", "speculative"}
+    text = " ".join(build_parser()._subparsers._group_actions[0].choices["bench"].format_help().split())
+    description = text.split("positional arguments")[0]
+    assert all(f"`{name}`" in description for name in names), description
+
+
+def test_kernels_live_under_the_user_cache_not_the_prefix_cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setenv("HYBRIDLM_CACHE_DIR", str(tmp_path / "prefix"))
+    assert native.cache_dir() == tmp_path / "xdg" / "hybridlm" / "kernels"
+    assert not (tmp_path / "prefix").exists()
+
+
+@pytest.mark.parametrize("kind", ["file", "leftover-temp"])
+def test_an_unusable_cache_dir_is_a_warning_not_a_traceback(tmp_path, kind):
+    """--cache-dir naming a file: the command runs without a disk tier, with one warning."""
+    if kind == "file":
+        target = tmp_path / "not-a-dir"
+        target.write_text("x")
+    else:
+        target = tmp_path / "cache"
+        target.mkdir()
+        (target / ".0123456789abcdef.node-x.safetensors.tmp").write_bytes(b"")
+    proc = hybridlm(
+        "chat",
+        "--cache-dir",
+        str(target),
+        stdin=subprocess.PIPE,
+        env={"HYBRIDLM_DEMO_DIR": str(tmp_path / "d")},
+    )
+    out, err = proc.communicate("/exit\n", timeout=180)
+    assert proc.returncode == 0 and "Traceback" not in err, err
+    if kind == "file":
+        assert "--cache-dir" in err and "no disk tier" in err, err
+    assert Path(target).exists()
