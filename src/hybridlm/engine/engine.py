@@ -386,6 +386,7 @@ class Engine:
         out: list[tuple[_Running, Event]] = []
         decoding: list[_Running] = []
         prefilling: list[_Running] = []
+        rows = 0  # tokens this step runs: decode rows, verify rows (current + drafts), prefill chunks
         for running in batch:
             if running.request.cancelled:
                 out.append((running, self._finish(running, CANCELLED)))
@@ -394,11 +395,13 @@ class Engine:
             elif running.speculation is None:
                 decoding.append(running)
             else:
+                drafted = running.speculation.counts.drafted_tokens
                 event = self._guarded(running, self._advance)
+                rows += 1 + running.speculation.counts.drafted_tokens - drafted
                 if event is not None:
                     out.append((running, event))
         out.extend(self._decode(decoding))
-        rows = len(batch) - len(prefilling)
+        rows += len(decoding)
         chunks = 0
         for running in prefilling:
             event = None
