@@ -10,18 +10,23 @@ which tolerates a noisy machine.
 Methods: ``linear`` (hybridlm.ops.linear), ``F.linear``, ``mv`` (torch.mv, 1 row),
 ``mkldnn`` (oneDNN with a weight prepacked for the row count), ``compile`` (torch.compile of
 an fp32 multiply + sum, dynamic shapes), ``int8pack`` (torch._weight_int8pack_mm on int8
-weights with per-row scales, so half the bytes of bf16).
+weights with per-row scales, so half the bytes of bf16), ``int8`` / ``int4`` (hybridlm's
+``QuantLinear`` kernels; bytes = quantized weight + scales).
+
+    PYTHONPATH=src python benchmarks/matvec.py --methods linear,int8,int4 --rows 1,4,9,17
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import time
 
 import torch
 import torch.nn.functional as F
 
 from hybridlm.ops.linear import fast_path_available, linear
+from hybridlm.ops.quant import QuantLinear
 
 # Qwen3.5-0.8B decode shapes as (out, in): LM head, GDN qkv, MLP up/gate, MLP down, z, GDN out /
 # attention o, attention q (with gate), k/v, GDN a/b.
@@ -59,6 +64,14 @@ def _methods(names: list[str], x: torch.Tensor, weights: list[torch.Tensor]) -> 
             q = [w.to(torch.int8) for w in weights]  # values are irrelevant for timing
             scale = torch.ones(n, dtype=dtype)
             out[name] = (lambda w, scale=scale: torch._weight_int8pack_mm(x, w, scale), q, n * k)
+        elif name in ("int8", "int4") and dtype is torch.bfloat16 and k % 64 == 0:
+            layer = torch.nn.Linear(k, n, bias=False, dtype=dtype)
+            with torch.no_grad():
+                layer.weight.copy_(weights[0])
+            q = QuantLinear.from_linear(layer, name)
+            size = q.qweight.numel() * q.qweight.element_size() + q.scales.numel() * q.scales.element_size()
+            pool = max(1, len(weights) * nbytes // size)  # as many bytes as the bf16 copies
+            out[name] = (lambda layer: layer(x), [q] + [copy.deepcopy(q) for _ in range(pool - 1)], size)
     return out
 
 

@@ -6,9 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
-import pytest
 import torch
 
 from hybridlm.cli import build_parser
@@ -73,16 +71,10 @@ def test_kernels_live_under_the_user_cache_not_the_prefix_cache_dir(tmp_path, mo
     assert not (tmp_path / "prefix").exists()
 
 
-@pytest.mark.parametrize("kind", ["file", "leftover-temp"])
-def test_an_unusable_cache_dir_is_a_warning_not_a_traceback(tmp_path, kind):
-    """--cache-dir naming a file: the command runs without a disk tier, with one warning."""
-    if kind == "file":
-        target = tmp_path / "not-a-dir"
-        target.write_text("x")
-    else:
-        target = tmp_path / "cache"
-        target.mkdir()
-        (target / ".0123456789abcdef.node-x.safetensors.tmp").write_bytes(b"")
+def test_a_cache_dir_naming_a_file_is_a_warning_not_a_traceback(tmp_path):
+    """The command runs without a disk tier, with one warning."""
+    target = tmp_path / "not-a-dir"
+    target.write_text("x")
     proc = hybridlm(
         "chat",
         "--cache-dir",
@@ -90,8 +82,6 @@ def test_an_unusable_cache_dir_is_a_warning_not_a_traceback(tmp_path, kind):
         stdin=subprocess.PIPE,
         env={"HYBRIDLM_DEMO_DIR": str(tmp_path / "d")},
     )
-    out, err = proc.communicate("/exit\n", timeout=180)
+    err = proc.communicate("/exit\n", timeout=180)[1]
     assert proc.returncode == 0 and "Traceback" not in err, err
-    if kind == "file":
-        assert "--cache-dir" in err and "no disk tier" in err, err
-    assert Path(target).exists()
+    assert "--cache-dir" in err and "no disk tier" in err, err

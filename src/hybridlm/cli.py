@@ -592,6 +592,12 @@ def cmd_bench_concurrency(args) -> int:
     return concurrency.main(args, concurrency.with_tokenizer(lm, Path(path)))
 
 
+def cmd_bench_grammar(args) -> int:
+    from hybridlm.bench import grammar
+
+    return grammar.main(args)
+
+
 def cmd_bench_serve(args) -> int:
     from hybridlm.bench import serve
 
@@ -741,7 +747,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Benchmarks: `forward` (model speed beside the machine's limits), `quality` "
         "(quantized against bf16 weights), `serve` (the HTTP server beside the engine alone), "
         "`multiturn` (prefix-cache reuse on chat / agent traces), `restore` (restoring a cached prefix "
-        "vs recomputing it), `speculative` (speculative vs plain decoding). Each has its own --help.",
+        "vs recomputing it), `speculative` (speculative vs plain decoding), `grammar` (constrained "
+        "decoding's mask cost per token). Each has its own --help.",
     )
     bench = b.add_subparsers(dest="what", required=True)
     f = bench.add_parser(
@@ -763,6 +770,21 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--decode", type=int, default=32, help="decode steps to time (default 32)")
     add_bench_args(f)
     f.set_defaults(func=cmd_bench_forward)
+
+    g = bench.add_parser(
+        "grammar",
+        help="per-token cost of constrained decoding beside a decode step",
+        description="Mask cost per token of grammar-constrained decoding (a JSON schema, a forced tool "
+        "call) on a vocabulary of the preset's size, beside the preset model's decode step.",
+    )
+    g.add_argument("--preset", choices=["qwen3.5-0.8b"], default="qwen3.5-0.8b", help="model shape")
+    g.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="dtype of the timed decode step")
+    g.add_argument("--rounds", type=int, default=5, help="walks along each document (default 5)")
+    g.add_argument(
+        "--decode-ms", type=float, default=None, help="decode step time to compare with (default: measure it)"
+    )
+    add_bench_args(g)
+    g.set_defaults(func=cmd_bench_grammar)
 
     ql = bench.add_parser(
         "quality",

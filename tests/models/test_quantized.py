@@ -56,13 +56,12 @@ def test_every_linear_is_quantized_and_stays_close_to_bf16(bf16_models, name):
     distributions are nearly flat, so top-1 flips on small logit changes (printed with -s)."""
     reference = bf16_models(name)
     seqs = sequences(reference.vocab_size, 96, 48, seed=0)
-    stats = {}
     for scheme in SCHEMES:
         model = bf16_models(name, scheme)
         assert isinstance(model.lm_head, QuantLinear)
         assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
-        stats[scheme] = compare(reference, model, seqs)
         assert len(plain_greedy(model, ids_for(9, seed=4), 6)) == 6
+    stats = compare(reference, {s: bf16_models(name, s) for s in SCHEMES}, seqs)
     print(name, {s: (round(r["kl_mean"], 5), round(r["top1_agreement"], 3)) for s, r in stats.items()})
     assert stats["int8"]["tokens"] == 96
     assert stats["int8"]["kl_mean"] * 5 < stats["int4"]["kl_mean"] < 0.25

@@ -2,7 +2,7 @@ import subprocess
 
 import pytest
 
-from hybridlm.ops import attention, conv, gated_delta, linear, norms
+from hybridlm.ops import attention, conv, gated_delta, linear, norms, quant
 from hybridlm.ops.native import CFLAGS, CSRC, compile_library, compiler
 
 # -Wno-psabi: GCC notes that passing 64-byte vectors between *static* functions changes ABI without
@@ -24,7 +24,7 @@ def test_kernel_source_compiles_without_warnings(file, tmp_path):
 
 def test_every_kernel_names_a_shipped_source():
     kernels = [linear.KERNEL, linear.ROWS, norms.NORM_KERNEL, conv.CONV_KERNEL, gated_delta.GDN_KERNEL,
-               attention.KERNEL]
+               attention.KERNEL, quant.INT8_KERNEL, quant.INT4_KERNEL, quant.DEQUANT_INT8, quant.DEQUANT_INT4]
     assert {k.file for k in kernels} <= set(KERNEL_SOURCES)
 
 
@@ -35,7 +35,7 @@ def test_changed_header_rebuilds_the_kernel(tmp_path, monkeypatch):
     for f in ("norms.c", "bf16.h"):
         (tmp_path / f).write_text((CSRC / f).read_text())
     monkeypatch.setattr(native, "CSRC", tmp_path)
-    monkeypatch.setenv("HYBRIDLM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     first = compile_library("rms_norm", "norms.c")
     assert compile_library("rms_norm", "norms.c") == first
     (tmp_path / "bf16.h").write_text((CSRC / "bf16.h").read_text() + "\n/* changed */\n")

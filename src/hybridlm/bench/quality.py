@@ -27,27 +27,32 @@ def sequences(vocab_size: int, tokens: int, context: int, seed: int = 0) -> list
 
 
 @torch.no_grad()
-def compare(reference: CausalLM, candidate: CausalLM, seqs: list[list[int]]) -> dict:
-    """KL(P_reference ‖ P_candidate) per position, in nats (mean, 99th percentile, max), and the
-    share of positions whose top-1 tokens agree, over every position of `seqs`."""
-    kls, agree = [], 0
+def compare(reference: CausalLM, candidates: dict[str, CausalLM], seqs: list[list[int]]) -> dict[str, dict]:
+    """Per candidate: KL(P_reference ‖ P_candidate) per position, in nats (mean, 99th percentile,
+    max), and the share of positions whose top-1 tokens agree, over every position of `seqs` (the
+    reference runs once per sequence)."""
+    kls = {name: [] for name in candidates}
+    agree = dict.fromkeys(candidates, 0)
     for ids in seqs:
-        logits = []
-        for model in (reference, candidate):
-            batch = Batch.single(ids, device=model.device)
-            logits.append(model(batch, model.make_caches(1), logits="all")[0].float())
-        p, q = (torch.log_softmax(x, dim=-1) for x in logits)
-        kls.append((p.exp() * (p - q)).sum(-1).clamp_min(0).cpu())
-        agree += int((logits[0].argmax(-1) == logits[1].argmax(-1)).sum())
-        del logits, p, q
-    kl = torch.cat(kls).double()
-    return {
-        "tokens": kl.numel(),
-        "kl_mean": kl.mean().item(),
-        "kl_p99": kl.quantile(0.99).item(),
-        "kl_max": kl.max().item(),
-        "top1_agreement": agree / kl.numel(),
-    }
+        ref = reference(Batch.single(ids, device=reference.device), reference.make_caches(1), logits="all")[0]
+        p = torch.log_softmax(ref.float(), dim=-1)
+        for name, model in candidates.items():
+            got = model(Batch.single(ids, device=model.device), model.make_caches(1), logits="all")[0].float()
+            q = torch.log_softmax(got, dim=-1)
+            kls[name].append((p.exp() * (p - q)).sum(-1).clamp_min(0).cpu())
+            agree[name] += int((ref.argmax(-1) == got.argmax(-1)).sum())
+            del got, q
+    out = {}
+    for name in candidates:
+        kl = torch.cat(kls[name]).double()
+        out[name] = {
+            "tokens": kl.numel(),
+            "kl_mean": kl.mean().item(),
+            "kl_p99": kl.quantile(0.99).item(),
+            "kl_max": kl.max().item(),
+            "top1_agreement": agree[name] / kl.numel(),
+        }
+    return out
 
 
 def main(args) -> int:
@@ -59,11 +64,10 @@ def main(args) -> int:
     seqs = sequences(reference.vocab_size, args.tokens, args.context, args.seed)
     report = {"model": str(path), "threads": torch.get_num_threads(), "tokens": args.tokens,
               "context": args.context, "seed": args.seed, "schemes": {}}
-    for scheme in schemes:
-        print(f"{scheme}: quantizing and comparing over {args.tokens} tokens ...", flush=True)
-        candidate = load_model(path, dtype=dtype, device=args.device, quantize=scheme)
-        report["schemes"][scheme] = compare(reference, candidate, seqs)
-        del candidate
+    print(f"quantizing ({', '.join(schemes)}) ...", flush=True)
+    candidates = {s: load_model(path, dtype=dtype, device=args.device, quantize=s) for s in schemes}
+    print(f"comparing over {args.tokens} tokens ...", flush=True)
+    report["schemes"] = compare(reference, candidates, seqs)
     reference_dtype = str(dtype).removeprefix("torch.")
     print(f"\n{path}: {args.tokens} tokens in sequences of {args.context}, against {reference_dtype}")
     print(f"{'weights':<9}{'KL mean':>11}{'KL p99':>11}{'KL max':>11}{'top-1 agree':>13}")

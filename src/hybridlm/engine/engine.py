@@ -30,6 +30,7 @@ import torch
 
 from hybridlm.batch import Batch
 from hybridlm.cache.base import LayerCache
+from hybridlm.engine.grammar import GrammarCompiler, Matcher
 from hybridlm.engine.memory import CacheCost, available_memory
 from hybridlm.engine.params import EngineClosed, InvalidParameter, PromptTooLong, QueueFull, SamplingParams
 from hybridlm.engine.request import (
@@ -81,6 +82,7 @@ class _Running:
     speculation: RequestSpeculation | None = None  # None: plain decoding
     prefill_pos: int | None = None  # next prompt position to prefill (None: prefill not begun)
     reserved: int = 0  # bytes of state and KV its admission counted
+    matcher: Matcher | None = None  # the request's grammar state (None: unconstrained)
     prefill_done: float | None = None
     first_token: float | None = None
 
@@ -167,6 +169,7 @@ class Engine:
         if self.context_length < 2:
             raise ValueError(f"context_length must be >= 2, got {self.context_length}")
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids) if tokenizer else frozenset()
+        self.grammars = GrammarCompiler(tokenizer, model.vocab_size) if tokenizer else None
         self.stats = EngineStats()
         self._queue: deque[Request] = deque()
         self._running: list[_Running] = []
@@ -222,6 +225,13 @@ class Engine:
             raise InvalidParameter("stop_token_ids", f"stop_token_ids must be < {vocab}")
         if params.stop and self.tokenizer is None:
             raise InvalidParameter("stop", "stop strings need a tokenizer (this model has none)")
+        if params.grammar is not None:
+            if self.grammars is None:
+                message = "a grammar needs a tokenizer (this model has none)"
+                raise InvalidParameter(params.grammar.param, message)
+            if params.ignore_eos:  # a complete grammar allows nothing but EOS
+                raise InvalidParameter("ignore_eos", "ignore_eos cannot be combined with a grammar")
+            self.grammars.check(params.grammar)
 
     def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[Event]:
         """Blocking iterator over a request's events; closing it early cancels the request."""
@@ -367,6 +377,8 @@ class Engine:
         )
         running.reserved = self._bytes_for(request)
         self._reserved += running.reserved
+        if params.grammar is not None:
+            running.matcher = self.grammars.matcher(params.grammar)
         if self.speculative is not None and params.speculative:
             # A seeded sampled request must draw the same random numbers on every run: its draft
             # lengths may then depend only on its own outcomes.
@@ -579,16 +591,10 @@ class Engine:
         spec = running.speculation
         params = running.request.params
         adjust = None
-        if params.penalised:
-            self._ensure_penalty_state(running)
-            adjust = lambda logits: apply_penalties(  # reads the counts as emission updates them
-                logits,
-                running.output_counts,
-                running.seen,
-                repetition_penalty=params.repetition_penalty,
-                presence_penalty=params.presence_penalty,
-                frequency_penalty=params.frequency_penalty,
-            )
+        if params.penalised or running.matcher is not None:
+            # Called per position after the tokens before it were emitted: the counts and the
+            # grammar state are then those of that position, and a forbidden draft is rejected.
+            adjust = lambda logits: self._adjust(running, logits)
         policy = TargetPolicy(
             params.temperature, params.top_k, params.top_p, params.min_p, running.generator, adjust
         )
@@ -620,11 +626,10 @@ class Engine:
             return self._finish(running, reason, stop_reason, tuple(tokens), "".join(texts), tuple(logprobs))
         return Event(tuple(tokens), "".join(texts), tuple(logprobs))
 
-    def _next_token(self, running: _Running) -> Event:
-        """Sample from `running.logits`, record the token, apply the stop rules; the token enters the
-        caches at the next step (so a finished request costs no extra forward)."""
+    def _adjust(self, running: _Running, logits: torch.Tensor) -> torch.Tensor:
+        """[1, V] raw logits -> the logits the request samples from: penalties applied, ids its
+        grammar forbids masked out (a new tensor when anything changes)."""
         params = running.request.params
-        logits = running.logits
         if params.penalised:
             self._ensure_penalty_state(running)
             logits = apply_penalties(
@@ -635,6 +640,15 @@ class Engine:
                 presence_penalty=params.presence_penalty,
                 frequency_penalty=params.frequency_penalty,
             )
+        if running.matcher is not None:
+            logits = running.matcher.mask(logits)
+        return logits
+
+    def _next_token(self, running: _Running) -> Event:
+        """Sample from `running.logits`, record the token, apply the stop rules; the token enters the
+        caches at the next step (so a finished request costs no extra forward)."""
+        params = running.request.params
+        logits = self._adjust(running, running.logits)
         chosen = sample(
             logits,
             temperature=params.temperature,
@@ -661,6 +675,8 @@ class Engine:
             lp, top_ids, top_lp = token_logprobs(logits, chosen, params.logprobs)
             top = tuple(zip(top_ids[0].tolist(), top_lp[0].tolist(), strict=True))
             logprobs = (TokenLogprob(token, float(lp[0]), top),)
+        if running.matcher is not None:
+            running.matcher.advance(token)
         # Recorded before it is streamed: the output (and, later, the prefix trie) always knows it.
         running.output_ids.append(token)
         if running.output_counts is not None:

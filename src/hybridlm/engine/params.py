@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hybridlm.engine.grammar import Grammar
 
 MAX_LOGPROBS = 20  # OpenAI's limit for top_logprobs
 _SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed accepts
@@ -64,6 +68,7 @@ class SamplingParams:
     ignore_eos: keep generating past EOS ids (benchmarks).
     skip_special_tokens: leave special tokens out of the output text.
     speculative: allow speculative decoding when the engine has it (False: decode one token per step).
+    grammar: the output must match this `Grammar` (constrained decoding); None: unconstrained.
     """
 
     temperature: float = 1.0
@@ -81,6 +86,7 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     speculative: bool = True
+    grammar: Grammar | None = None
 
     def __post_init__(self) -> None:
         _number("temperature", self.temperature, 0.0, 100.0)

@@ -197,6 +197,10 @@ class Tokenizer:
         """Number of token ids the tokenizer knows, added tokens included (model embeddings may be padded)."""
         return self._backend.get_vocab_size(with_added_tokens=True)
 
+    def backend_json(self) -> str:
+        """The tokenizer as ``tokenizer.json`` text (what grammar libraries build their vocabulary from)."""
+        return self._backend.to_str()
+
     def token_to_id(self, token: str) -> int | None:
         """Id of one vocabulary entry or added token, or ``None`` if it is not in the vocabulary."""
         return self._backend.token_to_id(token)

@@ -35,7 +35,8 @@ from hybridlm.engine import (
     SamplingParams,
 )
 from hybridlm.engine.request import CANCELLED, ERROR
-from hybridlm.server import metrics
+from hybridlm.server import anthropic, errors, metrics, ollama
+from hybridlm.server.context import ServerContext
 from hybridlm.server.lifecycle import DrainingServer, timed_protocol
 from hybridlm.server.middleware import CountResponses, LimitBody, RequireKey
 from hybridlm.server.protocol import (
@@ -43,7 +44,7 @@ from hybridlm.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     Responder,
-    chat_prompt_ids,
+    chat_prompt,
     decode_body,
     openapi_schema,
     request_body,
@@ -91,8 +92,8 @@ def create_app(
     started = int(time.time())
 
     @app.exception_handler(APIError)
-    async def api_error(_: Request, e: APIError):
-        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+    async def api_error(request: Request, e: APIError):
+        return JSONResponse(errors.body(request.url.path, e), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException):
@@ -189,7 +190,8 @@ def create_app(
                     break
                 if event.text or event.finished or (want_logprobs and event.logprobs):
                     choice = responder.delta_choice(event, want_logprobs, text_offset)
-                    yield _json_line(responder.chunk([choice], with_usage=include_usage))
+                    if choice is not None:
+                        yield _json_line(responder.chunk([choice], with_usage=include_usage))
                     text_offset += len(event.text)
                 if event.finished and include_usage:
                     yield _json_line(responder.chunk([], usage=event.usage, with_usage=True))
@@ -237,8 +239,9 @@ def create_app(
         params = sampling_params(
             body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None, renames
         )
-        ids = await offload(chat_prompt_ids, tokenizer, body)
-        return await respond(Responder("chat", model_name, tokenizer), body, ids, params, "messages", request)
+        plan, ids = await offload(chat_prompt, tokenizer, body)
+        responder = Responder("chat", model_name, tokenizer, plan)
+        return await respond(responder, body, ids, plan.params(params), "messages", request)
 
     @app.post("/v1/completions", openapi_extra=request_body(CompletionRequest))
     async def completions(request: Request):
@@ -263,6 +266,10 @@ def create_app(
         return await respond(
             Responder("completion", model_name, tokenizer), body, prompt, params, "prompt", request
         )
+
+    context = ServerContext(engine, tokenizer, model_name, parse, submit, collect, offload)
+    anthropic.register(app, context)
+    ollama.register(app, context)
 
     @app.get("/v1/models")
     async def models():

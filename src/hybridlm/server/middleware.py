@@ -11,6 +11,7 @@ import json
 import logging
 from collections.abc import Callable
 
+from hybridlm.server import errors
 from hybridlm.server.protocol import APIError
 
 log = logging.getLogger("hybridlm.server")
@@ -56,14 +57,14 @@ class CountResponses:
             log.exception("event=unhandled_error path=%s", scope["path"])
             if not started:
                 error = APIError(500, f"internal error: {type(e).__name__}", type="server_error")
-                await send_json(counting_send, 500, error.body())
+                await send_json(counting_send, 500, errors.body(scope["path"], error))
             elif not ended:
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 class RequireKey:
-    """With an API key, every path but `open_paths` needs `Authorization: Bearer <key>` (401 otherwise,
-    before the body is read)."""
+    """With an API key, every path but `open_paths` needs `Authorization: Bearer <key>` or, as
+    Anthropic's clients send it, `x-api-key: <key>` (401 otherwise, before the body is read)."""
 
     def __init__(self, app, api_key: str | None, open_paths: frozenset[str] = frozenset({"/health"})):
         self.app = app
@@ -74,13 +75,16 @@ class RequireKey:
         if scope["type"] == "http" and self.key is not None and scope["path"] not in self.open_paths:
             headers = dict(scope["headers"])
             scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+            if b"x-api-key" in headers:
+                scheme, token = b"bearer", headers[b"x-api-key"]
             if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
                 error = APIError(
                     401,
                     "missing or invalid API key (send Authorization: Bearer <key>)",
                     code="invalid_api_key",
                 )
-                return await send_json(send, 401, error.body(), [(b"www-authenticate", b"Bearer")])
+                body = errors.body(scope["path"], error)
+                return await send_json(send, 401, body, [(b"www-authenticate", b"Bearer")])
         await self.app(scope, receive, send)
 
 
@@ -106,7 +110,8 @@ class LimitBody:
             return await self.app(scope, receive, send)
         declared = dict(scope["headers"]).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.max_bytes:
-            return await send_json(send, 413, self.too_large().body(), [(b"connection", b"close")])
+            body = errors.body(scope["path"], self.too_large())
+            return await send_json(send, 413, body, [(b"connection", b"close")])
         received, complete = 0, False
 
         async def limited_receive():

@@ -13,13 +13,14 @@ import time
 import uuid
 from typing import Any, Literal
 
-import jinja2
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from hybridlm.engine import Completion, Event, SamplingParams, TokenLogprob, Usage
+from hybridlm.engine import Completion, Event, InvalidParameter, SamplingParams, TokenLogprob, Usage
 from hybridlm.engine.params import MAX_LOGPROBS
 from hybridlm.models.tokenizer import Tokenizer
+from hybridlm.server.chat import ChatPlan, ChatStream, plan_chat, read_answer
+from hybridlm.server.tools import ToolCall
 
 
 class APIError(Exception):
@@ -117,10 +118,15 @@ class _GenerationRequest(BaseModel):
 
 class ChatCompletionRequest(_GenerationRequest):
     """`POST /v1/chat/completions`. `tools` and `chat_template_kwargs` (e.g. `enable_thinking`) are
-    handed to the chat template; tool calls in the output are not parsed."""
+    handed to the chat template; tool calls and reasoning in the output are parsed in the format the
+    template writes (`hybridlm.server.chat`); `tool_choice` required / named and `response_format`
+    are enforced by constrained decoding."""
 
     messages: list[dict[str, Any]] = Field(json_schema_extra={"items": _MESSAGE, "minItems": 1})
     tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
     max_completion_tokens: int | None = _documented(minimum=1)
     logprobs: bool = False
     top_logprobs: int | None = _documented(minimum=0, maximum=MAX_LOGPROBS)
@@ -204,25 +210,46 @@ def openapi_schema(app, model_name: str) -> dict:
     return app.openapi_schema
 
 
-def chat_prompt_ids(tokenizer: Tokenizer, body: ChatCompletionRequest) -> list[int]:
-    """The prompt's token ids: the chat template's text, encoded (APIError(400) when the template
-    rejects the messages). Blocking: handlers run it off the event loop."""
+def chat_prompt(tokenizer: Tokenizer, body: ChatCompletionRequest) -> tuple[ChatPlan, list[int]]:
+    """The request's `ChatPlan` and its prompt's token ids (APIError(400) naming the field: the
+    messages the template rejects, bad tools, tool_choice or response_format). Blocking: handlers
+    run it off the event loop."""
     try:
-        prompt = render_chat(tokenizer, body)
-    except (jinja2.TemplateError, ValueError, TypeError, RecursionError) as e:
-        raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
-    return tokenizer.encode(prompt)
+        plan = plan_openai_chat(tokenizer, body)
+    except InvalidParameter as e:
+        raise APIError(400, str(e), param=e.param) from None
+    return plan, tokenizer.encode(plan.prompt)
 
 
 def render_chat(tokenizer: Tokenizer, body: ChatCompletionRequest) -> str:
     """The prompt text the chat template makes of the request (what transformers'
     `apply_chat_template(messages, tools=..., add_generation_prompt=..., **chat_template_kwargs)` makes)."""
-    return tokenizer.apply_chat_template(
+    return plan_openai_chat(tokenizer, body).prompt
+
+
+def plan_openai_chat(tokenizer: Tokenizer, body: ChatCompletionRequest) -> ChatPlan:
+    """The request's `ChatPlan` (raises `InvalidParameter` naming the field, template errors)."""
+    return plan_chat(
+        tokenizer,
         body.messages,
-        tools=body.tools,
-        add_generation_prompt=body.add_generation_prompt,
-        **(body.chat_template_kwargs or {}),
+        body.tools,
+        body.tool_choice,
+        body.parallel_tool_calls,
+        body.response_format,
+        body.chat_template_kwargs,
+        body.add_generation_prompt,
     )
+
+
+def tool_call_body(call: ToolCall, index: int | None = None) -> dict[str, Any]:
+    """OpenAI's `tool_calls[]` entry (streamed entries carry their `index`)."""
+    body = {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+    return body if index is None else {"index": index, **body}
+
+
+def chat_finish_reason(reason: str | None, calls: int) -> str | None:
+    """A request that ended normally after tool calls finishes with "tool_calls", as OpenAI's do."""
+    return "tool_calls" if reason == "stop" and calls else reason
 
 
 def new_id(prefix: str) -> str:
@@ -255,8 +282,16 @@ def usage_body(usage: Usage) -> dict[str, Any]:
 class Responder:
     """Builds one request's response objects (ids, timestamps and token texts shared by its chunks)."""
 
-    def __init__(self, kind: Literal["chat", "completion"], model: str, tokenizer: Tokenizer | None):
+    def __init__(
+        self,
+        kind: Literal["chat", "completion"],
+        model: str,
+        tokenizer: Tokenizer | None,
+        plan: ChatPlan | None = None,
+    ):
         self.kind = kind
+        self.plan = plan  # chat: how the output is read (reasoning, tool calls)
+        self.stream: ChatStream | None = plan.stream() if plan is not None else None
         self.id = new_id("chatcmpl" if kind == "chat" else "cmpl")
         self.created = int(time.time())
         self.model = model
@@ -297,13 +332,23 @@ class Responder:
     def response(self, result: Completion, want_logprobs: bool) -> dict[str, Any]:
         """The non-streaming body."""
         logprobs = self.logprobs(result.logprobs) if want_logprobs else None
-        if self.kind == "chat":
+        reason = result.finish_reason
+        if self.kind == "chat" and self.plan is not None:
+            answer = read_answer(self.plan, result.text)
+            message: dict[str, Any] = {"role": "assistant", "content": answer.content}
+            if self.plan.reasoning is not None:
+                message["reasoning_content"] = answer.reasoning
+            if answer.calls:
+                message["tool_calls"] = [tool_call_body(c) for c in answer.calls]
+            choice = {"index": 0, "message": message}
+            reason = chat_finish_reason(reason, len(answer.calls))
+        elif self.kind == "chat":
             choice = {"index": 0, "message": {"role": "assistant", "content": result.text}}
         else:
             choice = {"index": 0, "text": result.text}
         choice |= {
             "logprobs": logprobs,
-            "finish_reason": result.finish_reason,
+            "finish_reason": reason,
             "stop_reason": result.stop_reason,
         }
         return {
@@ -330,13 +375,38 @@ class Responder:
             body["usage"] = usage_body(usage) if usage is not None else None
         return body
 
-    def delta_choice(self, event: Event, want_logprobs: bool, text_offset: int) -> dict[str, Any]:
+    def delta_choice(self, event: Event, want_logprobs: bool, text_offset: int) -> dict[str, Any] | None:
+        """The event's streamed choice; None when it has nothing to say (text a parser holds back)."""
         logprobs = self.logprobs(event.logprobs, text_offset) if want_logprobs else None
-        if self.kind == "chat":
-            choice: dict[str, Any] = {"index": 0, "delta": {"content": event.text} if event.text else {}}
+        reason = event.finish_reason
+        if self.stream is not None:
+            delta = self._parsed_delta(event)
+            if not delta and not event.finished and not logprobs:
+                return None
+            reason = chat_finish_reason(reason, len(self.stream.calls))
+            choice: dict[str, Any] = {"index": 0, "delta": delta}
+        elif self.kind == "chat":
+            choice = {"index": 0, "delta": {"content": event.text} if event.text else {}}
         else:
             choice = {"index": 0, "text": event.text}
-        choice |= {"logprobs": logprobs, "finish_reason": event.finish_reason}
+        choice |= {"logprobs": logprobs, "finish_reason": reason}
         if event.finished:
             choice["stop_reason"] = event.stop_reason
         return choice
+
+    def _parsed_delta(self, event: Event) -> dict[str, Any]:
+        """OpenAI's delta for the parts the event's text completes (all the rest when it is the last)."""
+        stream = self.stream
+        parts = stream.feed(event.text) if event.text else []
+        if event.finished:
+            parts += stream.close()
+        delta: dict[str, Any] = {}
+        first_call = len(stream.calls) - sum(p.kind == "tool_call" for p in parts)
+        for part in parts:
+            if part.kind == "tool_call":
+                entry = tool_call_body(part.call, first_call + len(delta.get("tool_calls", ())))
+                delta.setdefault("tool_calls", []).append(entry)
+            else:
+                key = "reasoning_content" if part.kind == "reasoning" else "content"
+                delta[key] = delta.get(key, "") + part.text
+        return delta
