@@ -746,6 +746,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="measure speed next to the machine's limits",
         description="Benchmarks: `forward` (model speed beside the machine's limits), `quality` "
         "(quantized against bf16 weights), `serve` (the HTTP server beside the engine alone), "
+        "`concurrency` (many streaming clients at once), "
         "`multiturn` (prefix-cache reuse on chat / agent traces), `restore` (restoring a cached prefix "
         "vs recomputing it), `speculative` (speculative vs plain decoding), `grammar` (constrained "
         "decoding's mask cost per token). Each has its own --help.",
