@@ -89,3 +89,30 @@ class Batch:
             return torch.arange(self.length, device=self.device)[None, :] < lens[:, None]
 
         return self.memoize("token_mask", build)
+
+
+class Packed(Batch):
+    """The rows of many sequences in one forward: `input_ids` [1, T] is their tokens end to end.
+
+    segments: one B = 1 `Batch` per sequence (its tokens at its own offset); bounds: each segment's
+    rows [start, end) in the packed T. Layers that take a `Packed` batch run their projections over
+    all T rows at once (the weights are read once for every sequence) and their token mixers per
+    segment, on that sequence's own caches, with the segment's `Batch` — so every cache sees exactly
+    the forward it would see alone. Only models whose layers all do that take one (`CausalLM.packs`).
+    """
+
+    def __init__(self, segments: list[Batch]):
+        if not segments or any(s.size != 1 for s in segments):
+            raise ValueError("a packed batch needs one or more B = 1 segments")
+        ids = torch.cat([s.input_ids[:, : s.query_lens[0]] for s in segments], dim=1)
+        super().__init__(ids, [ids.shape[1]], [0])
+        self.segments = segments
+        self.bounds: list[tuple[int, int]] = []
+        start = 0
+        for s in segments:
+            self.bounds.append((start, start + s.query_lens[0]))
+            start += s.query_lens[0]
+
+    def positions(self) -> torch.Tensor:
+        """[1, T] each row's absolute position in its own sequence."""
+        return self.memoize("positions", lambda: torch.cat([s.positions() for s in self.segments], dim=1))

@@ -28,6 +28,8 @@ environment variables (a flag given on the command line wins):
   HYBRIDLM_API_KEY          --api-key
   HYBRIDLM_PREFILL_CHUNK    --prefill-chunk
   HYBRIDLM_MAX_QUEUE        --max-queue
+  HYBRIDLM_MAX_RUNNING      --max-running
+  HYBRIDLM_MAX_BATCH_TOKENS --max-batch-tokens
   HYBRIDLM_CONTEXT_LENGTH   --context-length
   HYBRIDLM_GRACEFUL_TIMEOUT --graceful-timeout
   HYBRIDLM_MAX_BODY         --max-body
@@ -103,6 +105,16 @@ def setup_logging() -> None:
     logging.basicConfig(
         level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
+
+
+def _at_least_one(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 def _env(name: str, default: str | None = None) -> str | None:
@@ -223,6 +235,21 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="most prompt tokens per forward pass (default 512) [env HYBRIDLM_PREFILL_CHUNK]",
     )
     p.add_argument(
+        "--max-running",
+        type=_at_least_one,
+        default=_env("HYBRIDLM_MAX_RUNNING", "8"),
+        help="most requests generating at once, each with caches of its own; decode steps read the "
+        "weights once for all of them (default 8) [env HYBRIDLM_MAX_RUNNING]",
+    )
+    p.add_argument(
+        "--max-batch-tokens",
+        type=_at_least_one,
+        default=_env("HYBRIDLM_MAX_BATCH_TOKENS", "512"),
+        help="tokens per engine step: decode rows first, then prompt chunks while they fit (at least "
+        "one chunk per step), so a long prompt delays running streams by about one budget's worth "
+        "(default 512) [env HYBRIDLM_MAX_BATCH_TOKENS]",
+    )
+    p.add_argument(
         "--context-length",
         type=_ranged(int, 2, what="an integer"),
         default=_env("HYBRIDLM_CONTEXT_LENGTH"),
@@ -327,7 +354,7 @@ def make_speculator(model, args):
 
 
 def make_engine(model, args):
-    from hybridlm.engine import Engine
+    from hybridlm.engine import Engine, serial_setup
     from hybridlm.prefix.cache import PrefixCache
     from hybridlm.prefix.disk import DiskTier, model_fingerprint
     from hybridlm.speculative import DraftModel
@@ -335,22 +362,29 @@ def make_engine(model, args):
     speculative = make_speculator(model, args)
     prefix = None
     if not args.no_prefix_cache:
-        disk = None
-        if args.cache_dir:
-            try:
-                disk = DiskTier(args.cache_dir, args.cache_disk, model_fingerprint(model.lm))
-            except OSError as e:  # a file of that name, no permission to create it...
-                log.warning("prefix cache: --cache-dir %s is unusable (%s); no disk tier", args.cache_dir, e)
-        # A draft model keeps caches of its own: the prefix cache stores them too (an assistant, MTP
-        # heads and n-grams keep none).
-        drafter = speculative.make_drafter if speculative is not None else None
-        draft = drafter.model if isinstance(drafter, DraftModel) else None
-        store = None
-        if getattr(args, "cache_store", None):
-            from hybridlm.prefix.store import StoreTier
+        # Its live caches are allocated here: with more than one torch thread this thread would make an
+        # OpenMP pool of its own beside the engine's, and every decode step would pay the futex
+        # wake-ups `serial_setup` describes (the likely cause of 80 ms per token served with the
+        # prefix cache against 64 without, Qwen3.5-0.8B shape, 2 threads).
+        with serial_setup():
+            disk = None
+            if args.cache_dir:
+                try:
+                    disk = DiskTier(args.cache_dir, args.cache_disk, model_fingerprint(model.lm))
+                except OSError as e:  # a file of that name, no permission to create it...
+                    log.warning(
+                        "prefix cache: --cache-dir %s is unusable (%s); no disk tier", args.cache_dir, e
+                    )
+            # A draft model keeps caches of its own: the prefix cache stores them too (an assistant, MTP
+            # heads and n-grams keep none).
+            drafter = speculative.make_drafter if speculative is not None else None
+            draft = drafter.model if isinstance(drafter, DraftModel) else None
+            store = None
+            if getattr(args, "cache_store", None):
+                from hybridlm.prefix.store import StoreTier
 
-            store = StoreTier(args.cache_store, model_fingerprint(model.lm), replica=args.replica)
-        prefix = PrefixCache(model.lm, ram_budget=args.cache_ram, disk=disk, draft=draft, store=store)
+                store = StoreTier(args.cache_store, model_fingerprint(model.lm), replica=args.replica)
+            prefix = PrefixCache(model.lm, ram_budget=args.cache_ram, disk=disk, draft=draft, store=store)
     return Engine(
         model.lm,
         model.tokenizer,
@@ -359,6 +393,8 @@ def make_engine(model, args):
         context_length=args.context_length,
         prefix=prefix,
         speculative=speculative,
+        max_running=args.max_running,
+        max_batch_tokens=args.max_batch_tokens,
     )
 
 
@@ -595,6 +631,14 @@ def cmd_bench_restore(args) -> int:
     return restore.main(args)
 
 
+def cmd_bench_concurrency(args) -> int:
+    from hybridlm.bench import concurrency
+    from hybridlm.bench.forward import load_bench_model
+
+    lm, path, _ = load_bench_model(args)
+    return concurrency.main(args, concurrency.with_tokenizer(lm, Path(path)))
+
+
 def cmd_bench_grammar(args) -> int:
     from hybridlm.bench import grammar
 
@@ -749,6 +793,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="measure speed next to the machine's limits",
         description="Benchmarks: `forward` (model speed beside the machine's limits), `quality` "
         "(quantized against bf16 weights), `serve` (the HTTP server beside the engine alone), "
+        "`concurrency` (many streaming clients at once), "
         "`multiturn` (prefix-cache reuse on chat / agent traces), `cluster` (those traces over replicas "
         "sharing a store, behind a router), `restore` (restoring a cached prefix "
         "vs recomputing it), `speculative` (speculative vs plain decoding), `grammar` (constrained "
@@ -824,6 +869,32 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--repeats", type=int, default=5, help="requests per side, alternating (default 5)")
     add_bench_args(v)
     v.set_defaults(func=cmd_bench_serve)
+
+    cc = bench.add_parser(
+        "concurrency",
+        help="aggregate tokens/s, TTFT and time per output token with many streaming clients",
+        description="Start the server in-process on a free loopback port and stream from N clients at "
+        "once (distinct cold prompts): aggregate generated tokens/s, TTFT and time per output token "
+        "p50/p95, prefix reuse, peak memory; with --long-prompt, also the running streams' time per "
+        "output token when one client sends a long prompt mid-run.",
+    )
+    add_model_args(cc)
+    cc.add_argument(
+        "--preset", choices=["qwen3.5-0.8b"], default=None, help="random checkpoint of this shape"
+    )
+    add_engine_args(cc)
+    cc.add_argument(
+        "--clients", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="client counts (default 1 2 4 8 16)"
+    )
+    cc.add_argument("--prompt-tokens", type=int, default=512, help="prompt length per client (default 512)")
+    cc.add_argument("--max-tokens", type=int, default=128, help="tokens generated per client (default 128)")
+    cc.add_argument(
+        "--long-prompt", type=int, default=0, help="also send a prompt this long mid-run (e.g. 4096; 0: off)"
+    )
+    cc.add_argument("--repeats", type=int, default=1, help="rounds per client count (default 1)")
+    cc.add_argument("--seed", type=int, default=0, help="prompt seed (default 0)")
+    add_bench_args(cc)
+    cc.set_defaults(func=cmd_bench_concurrency, max_queue=256)
 
     m = bench.add_parser(
         "multiturn",

@@ -115,6 +115,7 @@ def processes(demo_dir, tmp_path_factory):
         {
             "HYBRIDLM_DEMO_DIR": str(tmp_path_factory.mktemp("cache") / "demo"),
             "HYBRIDLM_MAX_QUEUE": "1",
+            "HYBRIDLM_MAX_RUNNING": "1",  # one running, one waiting: the queue bound is what is tested
             "HYBRIDLM_CONTEXT_LENGTH": "256",
         },
         logs / "small.log",

@@ -1,10 +1,12 @@
-"""The engine: a worker thread that serves queued requests through prefill and decode.
+"""The engine: a worker thread that serves many queued requests at once (continuous batching).
 
-Loop: `_schedule` admits requests from a bounded FIFO queue into the running set (one at a time
-for now), `_step` advances every running request by one unit of work (its whole chunked prefill
-and first token, or one decode token), `_emit` hands each request its event and retires the
-finished ones. Continuous batching replaces `_step`'s per-request loop with one ragged forward
-and raises `max_running`; nothing else changes shape.
+Loop: `_schedule` admits requests from a bounded FIFO queue into the running set, in arrival order,
+up to `max_running` and while their memory fits; `_step` advances every running sequence by one
+unit of work — all plain decode rows in one packed forward (each weight read once for all of them,
+each row computed as it is alone), speculative rounds, and prefill chunks under the per-step token
+budget; `_emit` hands each request its event and retires the finished ones, whose slots go back at
+once. A request's output never depends on what else runs: its prefill is cut into the chunks it gets
+alone, and its decode rows go through the per-token kernels, which compute each row independently.
 
 Callers talk to the engine through `Request` handles: events arrive through a sink (called on the
 engine thread, so it must be quick); `stream`/`generate` wrap that for blocking code and
@@ -29,6 +31,7 @@ import torch
 from hybridlm.batch import Batch
 from hybridlm.cache.base import LayerCache
 from hybridlm.engine.grammar import GrammarCompiler, Matcher
+from hybridlm.engine.memory import CacheCost, available_memory
 from hybridlm.engine.params import EngineClosed, InvalidParameter, PromptTooLong, QueueFull, SamplingParams
 from hybridlm.engine.request import (
     CANCELLED,
@@ -46,7 +49,7 @@ from hybridlm.engine.request import (
 )
 from hybridlm.engine.stats import EngineStats
 from hybridlm.engine.stop import StopStrings
-from hybridlm.models.base import CausalLM
+from hybridlm.models.base import CausalLM, forward_packed
 from hybridlm.models.tokenizer import IncrementalDecoder, Tokenizer
 from hybridlm.ops.sampling import apply_penalties, sample, token_logprobs
 from hybridlm.prefix.cache import PrefixCache, Session
@@ -77,6 +80,8 @@ class _Running:
     cached_tokens: int = 0
     session: Session | None = None  # the prefix-cache session holding this request's caches
     speculation: RequestSpeculation | None = None  # None: plain decoding
+    prefill_pos: int | None = None  # next prompt position to prefill (None: prefill not begun)
+    reserved: int = 0  # bytes of state and KV its admission counted
     matcher: Matcher | None = None  # the request's grammar state (None: unconstrained)
     prefill_done: float | None = None
     first_token: float | None = None
@@ -111,9 +116,14 @@ class Engine:
         request prefills its whole prompt into fresh caches). speculative: a `Speculator`, or a
         function returning a fresh `Drafter` per request (wrapped in a default `Speculator`); None
         decodes one token per step. Requests opt out with `SamplingParams(speculative=False)`.
+        max_running: most sequences advanced together (each has its own caches; a prefix cache gets
+        as many slots). max_batch_tokens: tokens per step: decode and verify rows first, then prefill
+        chunks in arrival order while they fit (at least one chunk per step, so prompts always
+        progress; a chunk is never cut). max_memory: bytes of caches (state + KV for prompt and
+        max_tokens) the running sequences may hold; a request that does not fit waits (alone it is
+        always admitted). Default: half of the memory available at start.
     """
 
-    max_running = 1  # requests advanced per step; continuous batching raises it
     # `health_problem` calls the engine stalled when it holds work yet no forward pass or scheduling
     # round has ended for this long (seconds; a forward of one prefill chunk takes far less).
     stall_seconds = 120.0
@@ -127,9 +137,21 @@ class Engine:
         context_length: int | None = None,
         prefix: PrefixCache | None = None,
         speculative: Speculator | Callable[[], Drafter] | None = None,
+        max_running: int = 8,
+        max_batch_tokens: int = 512,
+        max_memory: int | None = None,
     ):
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        if max_running < 1:
+            raise ValueError(f"max_running must be >= 1, got {max_running}")
+        if max_batch_tokens < 1:
+            raise ValueError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
+        self.max_running = max_running
+        self.max_batch_tokens = max_batch_tokens
+        self.max_memory = max_memory if max_memory is not None else available_memory() // 2
+        self._reserved = 0
+        self._cost = CacheCost.of(model)
         if max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {max_queue}")
         self.model = model
@@ -137,6 +159,8 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.max_queue = max_queue
         self.prefix = prefix
+        if prefix is not None:
+            prefix.reserve(max_running)
         if speculative is not None and not isinstance(speculative, Speculator):
             speculative = Speculator(speculative)
         self.speculative: Speculator | None = speculative
@@ -239,6 +263,10 @@ class Engine:
     def num_running(self) -> int:
         return len(self._running)
 
+    @property
+    def memory_occupancy(self) -> float:
+        """Share of `max_memory` the running sequences' admission reserved."""
+        return self._reserved / self.max_memory if self.max_memory else 0.0
     def health_problem(self) -> str | None:
         """None while the engine serves; else why it cannot: its worker thread has ended, or it has
         had work for `stall_seconds` without finishing a forward pass."""
@@ -280,7 +308,11 @@ class Engine:
                 batch = self._schedule()
                 if batch is None:
                     return
-                self._emit(self._step(batch))
+                t0 = time.perf_counter()
+                outputs = self._step(batch)
+                with self.stats.lock:
+                    self.stats.step_seconds.observe(time.perf_counter() - t0)
+                self._emit(outputs)
                 self._progress = time.monotonic()
         except Exception as e:  # a bug outside any one request: fail every request rather than hang
             log.exception("event=engine_failed")
@@ -301,7 +333,7 @@ class Engine:
                 for request in [r for r in self._queue if r.cancelled]:
                     self._queue.remove(request)
                     dropped.append(request)
-                while len(self._running) < self.max_running and self._queue:
+                while len(self._running) < self.max_running and self._queue and self._fits(self._queue[0]):
                     self._running.append(self._start(self._queue.popleft()))
                 if self._running or dropped:
                     break
@@ -316,6 +348,15 @@ class Engine:
             with self.stats.lock:
                 self.stats.finished[CANCELLED] += 1
         return self._running
+
+    def _fits(self, request: Request) -> bool:
+        """Whether `request`'s caches fit `max_memory` beside the running ones (alone it always does)."""
+        return not self._running or self._reserved + self._bytes_for(request) <= self.max_memory
+
+    def _bytes_for(self, request: Request) -> int:
+        room = self.context_length - len(request.prompt_ids)
+        tokens = len(request.prompt_ids) + min(request.params.max_tokens or room, room)
+        return self._cost.bytes(tokens)
 
     def _start(self, request: Request) -> _Running:
         params = request.params
@@ -334,6 +375,8 @@ class Engine:
         running = _Running(
             request, max_tokens, time.perf_counter(), generator, decoder, StopStrings(params.stop)
         )
+        running.reserved = self._bytes_for(request)
+        self._reserved += running.reserved
         if params.grammar is not None:
             running.matcher = self.grammars.matcher(params.grammar)
         if self.speculative is not None and params.speculative:
@@ -349,15 +392,78 @@ class Engine:
         return running
 
     def _step(self, batch: list[_Running]) -> list[tuple[_Running, Event]]:
-        """Advance each running request by one token (its prefill first); one event per request."""
-        out = []
+        """Advance every running sequence by one unit of work; one event per sequence that produced
+        tokens or finished. Decode rows of plain sequences share one packed forward; speculative
+        sequences run their rounds; prefill chunks go in arrival order under `max_batch_tokens`."""
+        out: list[tuple[_Running, Event]] = []
+        decoding: list[_Running] = []
+        prefilling: list[_Running] = []
+        rows = 0  # tokens this step runs: decode rows, verify rows (current + drafts), prefill chunks
         for running in batch:
-            try:
-                event = self._advance(running)
-            except Exception as e:  # a failing request must not take the engine down with it
-                log.exception("event=failed request=%d", running.request.id)
-                event = self._finish(running, ERROR, error=f"{type(e).__name__}: {e}")
-            out.append((running, event))
+            if running.request.cancelled:
+                out.append((running, self._finish(running, CANCELLED)))
+            elif running.prefill_done is None:
+                prefilling.append(running)
+            elif running.speculation is None:
+                decoding.append(running)
+            else:
+                drafted = running.speculation.counts.drafted_tokens
+                event = self._guarded(running, self._advance)
+                rows += 1 + running.speculation.counts.drafted_tokens - drafted
+                if event is not None:
+                    out.append((running, event))
+        out.extend(self._decode(decoding))
+        rows += len(decoding)
+        chunks = 0
+        for running in prefilling:
+            event = None
+            while event is None and running.prefill_done is None:
+                if running.request.cancelled:
+                    event = self._finish(running, CANCELLED)
+                    break
+                piece = self._guarded(running, self._next_chunk)
+                if isinstance(piece, Event):  # its session could not begin
+                    event = piece
+                    break
+                if chunks and rows + piece > self.max_batch_tokens:
+                    break
+                chunks += 1
+                rows += piece
+                event = self._guarded(running, self._advance)
+            if event is not None:
+                out.append((running, event))
+        with self.stats.lock:
+            self.stats.batch_rows.observe(rows)
+        return out
+
+    def _guarded(self, running: _Running, work: Callable[[_Running], object]):
+        """`work(running)`; a failure finishes that request with an error event (never the engine)."""
+        try:
+            return work(running)
+        except Exception as e:  # a failing request must not take the engine down with it
+            log.exception("event=failed request=%d", running.request.id)
+            return self._finish(running, ERROR, error=f"{type(e).__name__}: {e}")
+
+    def _decode(self, batch: list[_Running]) -> list[tuple[_Running, Event]]:
+        """One decode token for each of `batch` (plain sequences past their prefill): one packed forward
+        when the model packs and several run, else one forward each."""
+        if len(batch) < 2 or not self.model.packs:
+            return [(r, self._guarded(r, self._advance)) for r in batch]
+        segments = [
+            Batch.single([r.output_ids[-1]], offset=r.position, device=self.model.device) for r in batch
+        ]
+        try:
+            logits = forward_packed(self.model, segments, [r.caches for r in batch], ["last"] * len(batch))
+        except Exception as e:  # the forward may have advanced some caches and not others: all fail
+            log.exception("event=failed requests=%s", [r.request.id for r in batch])
+            return [(r, self._finish(r, ERROR, error=f"{type(e).__name__}: {e}")) for r in batch]
+        out = []
+        for running, row in zip(batch, logits, strict=True):
+            if running.session is not None:
+                running.session.advance([running.output_ids[-1]])
+            running.logits = row
+            running.position += 1
+            out.append((running, self._guarded(running, self._next_token)))
         return out
 
     def _emit(self, outputs: list[tuple[_Running, Event]]) -> None:
@@ -365,6 +471,7 @@ class Engine:
             if event.finished:
                 with self._wake:
                     self._running.remove(running)
+                    self._reserved -= running.reserved
                 running.caches = []  # release the cache memory now, not when the handle dies
                 if running.speculation is not None:
                     running.speculation.close()
@@ -396,13 +503,16 @@ class Engine:
 
     # -- one request's work -----------------------------------------------------------------------
 
-    def _prefill(self, running: _Running) -> tuple[list[LayerCache | None], torch.Tensor | None, int]:
-        """Bring caches to the end of the prompt: (caches, [1, V] logits of the last prompt token or None
-        when cancelled between chunks, cached_tokens).
+    def _next_chunk(self, running: _Running) -> int:
+        """Tokens of `running`'s next prefill chunk (its session begins here: the restored prefix
+        decides where chunks start)."""
+        if running.prefill_pos is None:
+            self._begin(running)
+        return min(self.prefill_chunk, len(running.request.prompt_ids) - running.prefill_pos)
 
-        With a prefix cache, `begin(prompt)` restores the longest stored prefix and only the rest is
-        prefilled; a cancelled prefill still hands what it computed to the trie (a retry resumes).
-        """
+    def _begin(self, running: _Running) -> None:
+        """Give `running` its caches: fresh ones, or with a prefix cache the longest stored prefix of
+        its prompt restored into a slot of its own."""
         ids = running.request.prompt_ids
         if self.prefix is None:
             caches, start, session = self.model.make_caches(1), 0, None
@@ -411,13 +521,21 @@ class Engine:
             caches, start = session.caches, session.offset
         if running.speculation is not None:
             running.speculation.attach(caches, session)
-        logits = None
-        for pos in range(start, len(ids), self.prefill_chunk):
-            if running.request.cancelled:
-                return caches, None, start
-            piece = ids[pos : pos + self.prefill_chunk]
-            logits = self._forward(running, caches, piece, pos)
-        return caches, logits, start
+        running.caches, running.cached_tokens, running.prefill_pos = caches, start, start
+
+    def _prefill(self, running: _Running) -> torch.Tensor | None:
+        """Run `running`'s next prefill chunk: chunks start at multiples of `prefill_chunk` after the
+        restored prefix, whatever else runs. Returns the [1, V] logits of the last prompt token after
+        the last chunk, else None. A cancelled prefill still hands what it computed to the trie (a
+        retry resumes)."""
+        if running.prefill_pos is None:
+            self._begin(running)
+        ids = running.request.prompt_ids
+        pos = running.prefill_pos
+        piece = ids[pos : pos + self.prefill_chunk]
+        logits = self._forward(running, running.caches, piece, pos)
+        running.prefill_pos = pos + len(piece)
+        return logits if running.prefill_pos == len(ids) else None
 
     def _forward(
         self, running: _Running, caches: list[LayerCache | None], ids: list[int], offset: int
@@ -439,14 +557,16 @@ class Engine:
             running.session.advance(ids, hidden if spec is not None and spec.keeps_hidden else None)
         return logits
 
-    def _advance(self, running: _Running) -> Event:
+    def _advance(self, running: _Running) -> Event | None:
+        """One unit of `running`'s work: a prefill chunk (an event only after the last: the first
+        token), a speculative round or one decode step."""
         request = running.request
         if request.cancelled:
             return self._finish(running, CANCELLED)
         if running.prefill_done is None:
-            running.caches, running.logits, running.cached_tokens = self._prefill(running)
+            running.logits = self._prefill(running)
             if running.logits is None:
-                return self._finish(running, CANCELLED)
+                return None
             running.position = len(request.prompt_ids)
             running.prefill_done = time.perf_counter()
         else:

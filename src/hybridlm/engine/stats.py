@@ -60,6 +60,10 @@ class Histogram:
         return out
 
 
+# Rows (tokens) per engine step: one decode row per sequence up to prefill chunks beside them.
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+
+
 @dataclass
 class EngineStats:
     """Totals since start. Written by the engine thread under `lock`; readers copy under it too."""
@@ -74,6 +78,8 @@ class EngineStats:
     prefill_seconds: Histogram = field(default_factory=Histogram)
     time_per_output_token_seconds: Histogram = field(default_factory=Histogram)
     e2e_seconds: Histogram = field(default_factory=Histogram)
+    step_seconds: Histogram = field(default_factory=Histogram)  # one engine step (all running sequences)
+    batch_rows: Histogram = field(default_factory=lambda: Histogram(ROW_BUCKETS))  # tokens per step
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def histograms(self) -> dict[str, Histogram]:
@@ -83,4 +89,6 @@ class EngineStats:
             "prefill_seconds": self.prefill_seconds,
             "time_per_output_token_seconds": self.time_per_output_token_seconds,
             "e2e_request_latency_seconds": self.e2e_seconds,
+            "step_seconds": self.step_seconds,
+            "batch_rows": self.batch_rows,
         }

@@ -7,8 +7,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from hybridlm.batch import Batch
+from hybridlm.batch import Batch, Packed
 from hybridlm.cache.base import LayerCache
+from hybridlm.ops.linear import rowwise
 
 
 class Config(dict):
@@ -51,6 +52,9 @@ class CausalLM(nn.Module):
     """
 
     config: Config
+    # Whether every layer runs a `Packed` batch (projections over all rows, token mixers per sequence):
+    # families built only from `layers.Attention`, `layers.GatedDeltaNet`, dense MLPs and norms.
+    packs = False
 
     @classmethod
     def text_config(cls, raw: dict) -> Config:
@@ -132,6 +136,27 @@ class CausalLM(nn.Module):
         if hidden is None:
             return out
         return out, h if hidden == "all" else last
+
+
+@torch.no_grad()
+def forward_packed(
+    model: CausalLM, segments: list[Batch], caches: list[list[LayerCache | None]], rows: list[str]
+) -> list[torch.Tensor]:
+    """One forward over several sequences (`model.packs` must hold): segment i (a B = 1 batch at its own
+    offset) advances `caches[i]`; returns per segment float32 logits, [1, V] at its last token for
+    `rows[i] == "last"`, [L_i, V] for "all". Every linear computes each row as a one-row call
+    would (`rowwise`), every mixer runs on the segment alone: each sequence's numbers are those of
+    its own forward, whatever else is packed beside it."""
+    packed = Packed(segments)
+    per_layer = [list(layer) for layer in zip(*caches, strict=True)]
+    with rowwise():
+        h = model.hidden_states(packed, per_layer)[0]
+        picks = []
+        for (lo, hi), which in zip(packed.bounds, rows, strict=True):
+            picks.append((hi - 1, hi) if which == "last" else (lo, hi))
+        index = torch.cat([torch.arange(a, b) for a, b in picks]).to(h.device)
+        logits = model.head(h[index])
+    return list(logits.split([b - a for a, b in picks]))
 
 
 def last_rows(batch: Batch, h: torch.Tensor) -> torch.Tensor:

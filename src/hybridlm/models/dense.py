@@ -36,6 +36,7 @@ class DenseLM(CausalLM):
     per-layer attention windows."""
 
     qk_norm: type[nn.Module] | None = None
+    packs = True
 
     def __init__(self, config: Config):
         super().__init__()

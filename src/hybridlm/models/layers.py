@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridlm.batch import Batch
+from hybridlm.batch import Batch, Packed
 from hybridlm.cache import KVCache, RecurrentCache, SlidingKVCache
 from hybridlm.ops.attention import attention
 from hybridlm.ops.conv import causal_conv1d
@@ -26,8 +26,28 @@ ACTIVATIONS = {
 
 
 def rope_tables(batch: Batch, rotary: Rotary, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [B, 1, L, rot_dim] for this forward, built once per rotary table."""
+    """cos, sin [B, 1, L, rot_dim] for this forward, built once per rotary table (a packed batch joins
+    its segments' own tables: each row gets the numbers it gets alone)."""
+    if isinstance(batch, Packed):
+        def build():
+            tables = [rope_tables(s, rotary, dtype) for s in batch.segments]
+            return torch.cat([c for c, _ in tables], dim=2), torch.cat([s for _, s in tables], dim=2)
+
+        return batch.memoize(("rope", id(rotary), dtype), build)
     return batch.memoize(("rope", id(rotary), dtype), lambda: rotary.cos_sin(batch.positions(), dtype))
+
+
+def per_segment(batch: Batch, cache, run, *rows: torch.Tensor, dim: int = 1):
+    """`run(batch, cache, *rows)` for a plain batch; for a `Packed` one, per segment on its own cache
+    (`cache` is then the list of the segments' caches) with `rows` cut to its bounds along `dim`,
+    the results joined along `dim`."""
+    if not isinstance(batch, Packed):
+        return run(batch, cache, *rows)
+    outs = [
+        run(seg, c, *(r.narrow(dim, lo, hi - lo) for r in rows))
+        for seg, c, (lo, hi) in zip(batch.segments, cache, batch.bounds, strict=True)
+    ]
+    return torch.cat(outs, dim=dim)
 
 
 class Attention(nn.Module):
@@ -84,8 +104,16 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         cos, sin = rope_tables(batch, self.rotary, q.dtype)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        o = per_segment(batch, cache, self.attend, q, k, v, dim=2)
+        o = o.transpose(1, 2).reshape(b, length, -1)
+        if gate is not None:
+            o = o * torch.sigmoid(gate)
+        return self.o_proj(o)
+
+    def attend(self, batch: Batch, cache: KVCache, q, k, v) -> torch.Tensor:
+        """q [B, Hq, L, D], k/v [B, Hkv, L, D] of this forward -> [B, Hq, L, D], after `cache` took k/v."""
         hist = cache.update(batch, k, v)
-        o = attention(
+        return attention(
             q,
             hist.keys,
             hist.values,
@@ -95,10 +123,6 @@ class Attention(nn.Module):
             window=hist.window,
             softcap=self.softcap,
         )
-        o = o.transpose(1, 2).reshape(b, length, -1)
-        if gate is not None:
-            o = o * torch.sigmoid(gate)
-        return self.o_proj(o)
 
 
 class GatedMLP(nn.Module):
@@ -185,6 +209,14 @@ class GatedDeltaNet(nn.Module):
             x = x * mask[..., None].to(x.dtype)
         qkv = self.in_proj_qkv(x)
         ab = torch.cat([self.in_proj_a(x), self.in_proj_b(x)], dim=-1)
+        o = per_segment(batch, cache, self.scan, qkv, ab)
+        z = self.in_proj_z(x).view(b, length, self.v_heads, self.v_dim)
+        o = self.norm(o.to(x.dtype), z)
+        return self.out_proj(o.reshape(b, length, self.value_dim))
+
+    def scan(self, batch: Batch, cache: RecurrentCache, qkv, ab) -> torch.Tensor:
+        """Conv + scan of this forward's scan inputs from `cache`'s state -> o [B, L, Hv, Dv]; the
+        cache takes the new state, its captures and (while recording) the inputs."""
         hist = cache.get(batch)
         lens = batch.query_lens if batch.padded else None
         o, tail, state, boundary = self.mix(
@@ -198,9 +230,7 @@ class GatedDeltaNet(nn.Module):
             inputs=qkv if hist.record else None,
             gates=ab if hist.record else None,
         )
-        z = self.in_proj_z(x).view(b, length, self.v_heads, self.v_dim)
-        o = self.norm(o.to(x.dtype), z)
-        return self.out_proj(o.reshape(b, length, self.value_dim))
+        return o
 
 
 class DecoderLayer(nn.Module):

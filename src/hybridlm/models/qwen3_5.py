@@ -52,6 +52,8 @@ def layer_types(c: Config) -> list[str]:
 
 @register("qwen3_5_text", "qwen3_5")
 class Qwen3_5(CausalLM):
+    packs = True
+
     def __init__(self, config: Config):
         super().__init__()
         self.config = c = config

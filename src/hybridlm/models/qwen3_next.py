@@ -103,6 +103,8 @@ def take(state: dict[str, torch.Tensor], name: str, shape: tuple[int, ...]) -> t
 
 @register("qwen3_next")
 class Qwen3Next(Qwen3_5):
+    packs = False  # the MoE gathers rows per expert: a row's numbers would depend on its neighbours
+
     def mlp(self, c: Config, index: int) -> nn.Module:
         if is_sparse(c, index):
             return SparseMoE(c)

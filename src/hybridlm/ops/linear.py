@@ -18,6 +18,9 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +28,7 @@ from torch import nn
 
 from hybridlm.ops.native import FEW_TOKENS, NativeKernel
 
-__all__ = ["MAX_FAST_ROWS", "Linear", "fast_path_available", "kernel_rows", "linear"]
+__all__ = ["MAX_FAST_ROWS", "Linear", "fast_path_available", "kernel_rows", "linear", "rowwise"]
 
 # Most input rows the kernel takes: decode (1 row) and speculative verify (up to FEW_TOKENS). Where
 # the CPU has bf16 dot-product instructions (AVX512-BF16) a row costs one instruction per 32
@@ -88,8 +91,34 @@ def _kernel_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     )
 
 
+_ROWWISE = threading.local()
+
+
+@contextmanager
+def rowwise() -> Iterator[None]:
+    """Inside, (on this thread) CPU inputs of any row count compute each row exactly as a one-row call
+    would: the kernel in groups of `kernel_rows()` rows (one weight read per group), or one row per
+    `F.linear` call where the kernel does not apply. A forward packing the decode / verify rows of
+    many sequences runs under it, so a row's result never depends on how many rows share the step."""
+    before = getattr(_ROWWISE, "on", False)
+    _ROWWISE.on = True
+    try:
+        yield
+    finally:
+        _ROWWISE.on = before
+
+
+def _rowwise_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`linear` over [..., in] as groups of rows that each take the path a one-row call takes."""
+    rows = x.reshape(-1, x.shape[-1])
+    group = kernel_rows() if _kernel_applies(rows[:1], weight, bias) else 1
+    out = torch.cat([linear(rows[i : i + group], weight, bias) for i in range(0, rows.shape[0], group)])
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``, using the bf16 kernel for few-row CPU inputs.
+    """``F.linear(x, weight, bias)``, using the bf16 kernel for few-row CPU inputs (any row count
+    under `rowwise`).
 
     Args:
         x: [..., in] input.
@@ -101,6 +130,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """
     fn = KERNEL.get() if _kernel_applies(x, weight, bias) else None
     if fn is None:
+        if getattr(_ROWWISE, "on", False) and x.is_cpu and x.numel() > x.shape[-1]:
+            return _rowwise_linear(x, weight, bias)
         return F.linear(x, weight, bias)
     n, k = weight.shape
     # The kernel only needs x's rows contiguous; writing y in place of the [..., out] result

@@ -96,10 +96,22 @@ class CapturePlan:
 
 
 @dataclass
+class Slot:
+    """One set of live caches and the tokens they hold (a root→frontier path of the trie); `session`
+    is the open session using them (None: idle, its live path kept for a later rewind)."""
+
+    caches: list[LayerCache | None]
+    live: list[int] = field(default_factory=list)
+    session: Session | None = None
+    opened: int = 0  # when its session began (begin count): the oldest is closed when none is free
+
+
+@dataclass
 class Session:
-    """One request's use of the live caches: restored to `cached`, then advanced by the engine."""
+    """One request's use of a slot's live caches: restored to `cached`, then advanced by the engine."""
 
     owner: PrefixCache
+    slot: Slot
     prompt: list[int]
     cached: int
     replayed: int
@@ -114,7 +126,7 @@ class Session:
 
     @property
     def caches(self) -> list[LayerCache | None]:
-        return self.owner.caches
+        return self.slot.caches
 
     @property
     def offset(self) -> int:
@@ -156,7 +168,8 @@ class Session:
 
 
 class PrefixCache:
-    """The shared trie plus the live caches of one model (one session at a time).
+    """The shared trie plus the live caches of one model: `max_sessions` slots of live caches, one per
+    open session (a begin beyond them closes the oldest open session).
 
     ram_budget: bytes of snapshots held in host memory (None: unbounded). disk: an optional
     `DiskTier` (a directory with its own byte budget) for demoted nodes; the files it already holds
@@ -176,23 +189,64 @@ class PrefixCache:
         store: StoreTier | None = None,
     ):
         self.model = model
-        self.caches: list[LayerCache | None] = model.make_caches(1)
-        for cache in self.caches:
-            if cache is not None:
-                cache.record = True
+        self.max_sessions = 1
+        self.slots: list[Slot] = [self._new_slot()]
+        self._current = self.slots[0]
+        self._begun = 0
         self.layers = [i for i, c in enumerate(self.caches) if c is not None]
         self.trie = Trie()
-        self.live: list[int] = []
         self.ram_budget = ram_budget
         self.plan = plan or CapturePlan()
         self.stats = CacheStats()
         self.disk = disk
         self.store = store
-        self._session: Session | None = None
         self.draft = None if draft is None else PrefixCache(draft, ram_budget, self.plan)
         if disk is not None:
             self._adopt()
             self.enforce_budget()
+
+    # ---- slots ---------------------------------------------------------------------------
+    def _new_slot(self) -> Slot:
+        caches = self.model.make_caches(1)
+        for cache in caches:
+            if cache is not None:
+                cache.record = True
+        return Slot(caches)
+
+    @property
+    def caches(self) -> list[LayerCache | None]:
+        """The live caches of the slot used last (with one slot: the live caches)."""
+        return self._current.caches
+
+    @property
+    def live(self) -> list[int]:
+        """The tokens `caches` hold."""
+        return self._current.live
+
+    def reserve(self, sessions: int) -> None:
+        """Allow `sessions` open sessions at once (an engine running that many sequences); slots are
+        made when first needed. The draft companion follows."""
+        self.max_sessions = max(self.max_sessions, sessions)
+        if self.draft is not None:
+            self.draft.reserve(sessions)
+
+    def _slot_for(self, keep: list[int]) -> Slot:
+        """A slot without an open session, preferring the one whose live path shares most with `keep`
+        (its rewind is free); a new slot while below `max_sessions`; else the oldest open session is
+        closed and its slot taken."""
+        idle = [s for s in self.slots if s.session is None]
+        if idle:
+            best = max(idle, key=lambda s: common_prefix(s.live, keep))
+            if common_prefix(best.live, keep) > 0 or len(self.slots) >= self.max_sessions:
+                return best
+        if len(self.slots) < self.max_sessions:
+            self.slots.append(self._new_slot())
+            return self.slots[-1]
+        if idle:
+            return idle[0]
+        oldest = min(self.slots, key=lambda s: s.opened)
+        oldest.session.close()
+        return oldest
 
     # ---- accounting ----------------------------------------------------------------------
     # The RAM budget holds during requests, not only between them. Two things grow snapshot memory
@@ -210,13 +264,14 @@ class PrefixCache:
 
     @property
     def pending_bytes(self) -> int:
-        """Bytes of captures the running request has taken and not yet handed to the trie."""
-        return sum(_snap_bytes(s) for i in self.layers for s in self.caches[i].captures())
+        """Bytes of captures the running requests have taken and not yet handed to the trie."""
+        captures = (s for slot in self.slots for i in self.layers for s in slot.caches[i].captures())
+        return sum(_snap_bytes(s) for s in captures)
 
     @property
     def pinned_bytes(self) -> int:
-        """Bytes of the live caches (the running request's state; outside the RAM budget)."""
-        own = sum(c.nbytes for c in self.caches if c is not None)
+        """Bytes of every slot's live caches (the running requests' state; outside the RAM budget)."""
+        own = sum(c.nbytes for slot in self.slots for c in slot.caches if c is not None)
         return own + (0 if self.draft is None else self.draft.pinned_bytes)
 
     @property
@@ -247,14 +302,13 @@ class PrefixCache:
         `draft` and a draft companion, also the draft model's caches (`Session.draft`)."""
         if not tokens:
             raise ValueError("a session needs at least one token")
-        if self._session is not None and not self._session.closed:
-            self._session.close()
         t0 = time.perf_counter()
         keep = tokens[: len(tokens) - 1]
         if self.store is not None:
             import_longer(self, keep)
-        common = common_prefix(self.live, keep)
-        path, matched, target, replayed = self._restore_best(keep, common)
+        slot = self._current = self._slot_for(keep)
+        common = common_prefix(slot.live, keep)
+        path, matched, target, replayed = self._restore_best(slot, keep, common)
         if target > 0:
             self.stats.hits += 1
         elif matched > 0:
@@ -263,25 +317,27 @@ class PrefixCache:
             self.stats.misses_no_prefix += 1
         if target < matched:
             log.info("prefix matched %d tokens but restored %d", matched, target)
-        self.live = list(tokens[:target])
+        slot.live = list(tokens[:target])
         now = time.monotonic()
         for node in path:
             if node.start < target:
                 node.touch(now)
         restore_ms = (time.perf_counter() - t0) * 1e3
-        session = Session(self, list(tokens), target, replayed, restore_ms, list(self.live))
+        session = Session(self, slot, list(tokens), target, replayed, restore_ms, list(slot.live))
         session.hidden = _hidden_prefix(path, target)
-        self._session = session
+        slot.session = session
+        self._begun += 1
+        slot.opened = self._begun
         if draft and self.draft is not None:
             session.draft = self.draft.begin(tokens)
         offsets = self.plan.offsets(target, len(tokens))
         for i in self.layers:
-            self.caches[i].prepare_snapshots(offsets, ranges=True)
+            slot.caches[i].prepare_snapshots(offsets, ranges=True)
         # Nodes loaded from disk (and rows copied out of the live buffers) may have grown RAM.
         self.enforce_budget()
         return session
 
-    def _restore_best(self, keep: list[int], common: int) -> tuple[list[Node], int, int, int]:
+    def _restore_best(self, slot: Slot, keep: list[int], common: int) -> tuple[list[Node], int, int, int]:
         """Restore every layer to the largest reachable target ≤ max(matched, common), where the
         trie agrees with `keep` up to `matched` and the live caches up to `common`; returns (path,
         matched, target, replayed). Planning works on disk nodes' stand-ins; the nodes the chosen
@@ -290,31 +346,31 @@ class PrefixCache:
         subtree, which changes the match: start over."""
         while True:
             path, matched = self.trie.match(keep)
-            target, plans = self._choose(path, matched, common)
+            target, plans = self._choose(slot, path, matched, common)
             used = {id(snap) for steps in plans for snap, _ in steps}
             stored = [n for n in path if n.on_disk and any(id(s) in used for s in n.snaps)]
             if not stored:
                 replayed = 0
                 for i, steps in zip(self.layers, plans, strict=True):
-                    replayed = max(replayed, self._execute(i, steps))
+                    replayed = max(replayed, self._execute(slot.caches[i], i, steps))
                 return path, matched, target, replayed
             for node in stored:
                 if not self._load(node):
                     break
 
-    def _choose(self, path: list[Node], matched: int, common: int) -> tuple[int, list]:
+    def _choose(self, slot: Slot, path: list[Node], matched: int, common: int) -> tuple[int, list]:
         """The largest target ≤ max(matched, common) every layer can reach, and each layer's plan."""
         want = max(matched, common)
         candidates = sorted({want, matched, common, *(n.end for n in path if n.end < want), 0}, reverse=True)
         for t in candidates:
-            plans = [self._plan(i, path, t, matched, common) for i in self.layers]
+            plans = [self._plan(slot.caches[i], i, path, t, matched, common) for i in self.layers]
             if all(p is not None for p in plans):
                 return t, plans
         raise AssertionError("offset 0 is always reachable")
 
-    def _plan(self, layer: int, path: list[Node], t: int, matched: int, common: int):
-        """Restore steps [(snapshot | None | RESET, target)] bringing layer `layer` to `t`, or None."""
-        cache = self.caches[layer]
+    def _plan(self, cache: LayerCache, layer: int, path: list[Node], t: int, matched: int, common: int):
+        """Restore steps [(snapshot | None | RESET, target)] bringing layer `layer` (its live `cache`)
+        to `t`, or None."""
         if t <= common and cache.can_rewind(t):
             return [(None, t)]
         if t > matched:
@@ -337,9 +393,8 @@ class PrefixCache:
             return None
         return [(RESET, 0)] if t == 0 else None
 
-    def _execute(self, layer: int, steps) -> int:
-        """Run restore steps; returns tokens recovered by replay."""
-        cache = self.caches[layer]
+    def _execute(self, cache: LayerCache, layer: int, steps) -> int:
+        """Run restore steps on layer `layer`'s live `cache`; returns tokens recovered by replay."""
         replayed = 0
         for snap, target in steps:
             if snap is RESET:
@@ -354,7 +409,8 @@ class PrefixCache:
 
     # ---- close: attach and evict ---------------------------------------------------------
     def _close(self, session: Session) -> None:
-        caches = self.caches
+        slot = session.slot
+        caches = slot.caches
         end = session.offset
         # Every stateful layer was scheduled the same offsets, so their captures share bounds.
         captures = {i: caches[i].take_snapshots() for i in self.layers}
@@ -367,24 +423,25 @@ class PrefixCache:
             last = bounds[-1]
             pieces.append([c.snapshot(last) if c is not None else None for c in caches])
             bounds.append(end)
-        self.live = list(session.fed)
+        slot.live = list(session.fed)
         hidden = None
         if session.hidden_log:
             hidden = torch.cat(session.hidden_log)
         self._insert(session.fed, bounds, pieces, hidden)
-        self._session = None
+        slot.session = None
         self.enforce_budget()
         if self.store is not None:
             publish_path(self, session.fed)
 
     def _abandon(self, session: Session) -> None:
+        slot = session.slot
         for i in self.layers:
-            for snap in self.caches[i].take_snapshots():
+            for snap in slot.caches[i].take_snapshots():
                 snap.free()
-            self.caches[i].free()
-            self.caches[i].record = True
-        self.live = []
-        self._session = None
+            slot.caches[i].free()
+            slot.caches[i].record = True
+        slot.live = []
+        slot.session = None
 
     def _insert(
         self,
@@ -435,13 +492,14 @@ class PrefixCache:
             return
         self.enforce_budget()
         if self.ram_bytes > self.ram_budget:
-            for i in self.layers:
-                self.caches[i].compact_captures()
+            for slot in self.slots:
+                for i in self.layers:
+                    slot.caches[i].compact_captures()
 
     def live_path(self) -> set[int]:
-        """Ids of the nodes on the live path (protected from eviction)."""
-        path, _ = self.trie.match(self.live)
-        return {n.id for n in path}
+        """Ids of the nodes on every slot's live path (protected from eviction): the prefixes running
+        sequences restored from and the idle slots' frontiers."""
+        return {n.id for slot in self.slots for n in self.trie.match(slot.live)[0]}
 
     def enforce_budget(self) -> None:
         """Keep the snapshots inside both budgets.

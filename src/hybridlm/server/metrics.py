@@ -23,6 +23,8 @@ _HISTOGRAM_HELP = {
     "prefill_seconds": "Seconds spent prefilling prompts.",
     "time_per_output_token_seconds": "Mean seconds per generated token after the first, per request.",
     "e2e_request_latency_seconds": "Seconds from arrival to finish.",
+    "step_seconds": "Seconds per engine step (one unit of work for every running sequence).",
+    "batch_rows": "Tokens run per engine step (decode and verify rows plus prefill chunks).",
 }
 
 
@@ -101,6 +103,11 @@ class EngineCollector(Collector):
         gauges = {
             "queue_depth": ("Requests waiting to be scheduled.", engine.queue_depth),
             "requests_running": ("Requests being prefilled or decoded.", engine.num_running),
+            "running_limit": ("Most sequences advanced together (--max-running).", engine.max_running),
+            "slot_occupancy": (
+                "Fraction of the memory for running sequences' caches their admission reserved.",
+                engine.memory_occupancy,
+            ),
             "queue_limit": ("Most requests allowed to wait.", engine.max_queue),
             "context_length": ("Most tokens per request.", engine.context_length),
         }
