@@ -17,6 +17,7 @@ from hybridlm.ops.linear import (
     fast_path_available,
     kernel_rows,
     linear,
+    rowwise,
 )
 from hybridlm.ops.native import NativeKernel
 
@@ -100,6 +101,18 @@ def test_a_row_gives_the_same_bits_whatever_rows_share_the_call(no_f_linear):
     together = layer(x)
     for i in range(x.shape[0]):
         assert torch.equal(layer(x[i : i + 1]), together[i : i + 1])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_under_rowwise_many_rows_are_each_computed_as_alone(dtype):
+    """A packed forward of many sequences' decode rows (more than a kernel call takes): each row's
+    result is a one-row call's, on the kernel path (bf16) and the F.linear one (float32)."""
+    layer = _layer(77, 1000, True, dtype)
+    x = torch.randn(2 * MAX_FAST_ROWS + 3, 1000).to(dtype)
+    alone = torch.cat([layer(x[i : i + 1]) for i in range(x.shape[0])])
+    with rowwise():
+        assert torch.equal(layer(x), alone)
+        assert torch.equal(layer(x.view(1, *x.shape))[0], alone)
 
 
 def test_large_rows_3d_uses_f_linear():

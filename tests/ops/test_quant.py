@@ -3,6 +3,7 @@ import torch
 from torch import nn
 
 import hybridlm.ops.quant as quant_mod
+from hybridlm.ops.linear import rowwise
 from hybridlm.ops.native import FEW_TOKENS, NativeKernel
 from hybridlm.ops.quant import QuantLinear, pack_int4, quantize_, unpack_int4
 
@@ -150,3 +151,16 @@ def test_quantize_replaces_every_linear_but_skipped_ones():
     assert isinstance(quantize_(_layer(4, 64, False), "int8"), QuantLinear)
     with pytest.raises(ValueError, match="unknown quantization"):
         quantize_(model, "int3")
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_under_rowwise_many_rows_are_each_computed_as_alone(scheme, dtype):
+    """A packed forward of many sequences' decode rows (more than a kernel call takes) computes each
+    row as a one-row call would, on the kernel path and on the dequantized one."""
+    q = QuantLinear.from_linear(_layer(45, 256, True).to(dtype), scheme).to(dtype)
+    x = _x(3 * FEW_TOKENS + 2, 256).to(dtype)
+    alone = torch.cat([q(x[i : i + 1]) for i in range(x.shape[0])])
+    with rowwise():
+        assert torch.equal(q(x), alone)
+        assert torch.equal(q(x.view(1, *x.shape))[0], alone)

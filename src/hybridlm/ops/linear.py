@@ -28,7 +28,16 @@ from torch import nn
 
 from hybridlm.ops.native import FEW_TOKENS, NativeKernel
 
-__all__ = ["MAX_FAST_ROWS", "Linear", "fast_path_available", "kernel_rows", "linear", "rowwise"]
+__all__ = [
+    "MAX_FAST_ROWS",
+    "Linear",
+    "fast_path_available",
+    "in_row_groups",
+    "kernel_rows",
+    "linear",
+    "rowwise",
+    "rowwise_applies",
+]
 
 # Most input rows the kernel takes: decode (1 row) and speculative verify (up to FEW_TOKENS). Where
 # the CPU has bf16 dot-product instructions (AVX512-BF16) a row costs one instruction per 32
@@ -108,12 +117,18 @@ def rowwise() -> Iterator[None]:
         _ROWWISE.on = before
 
 
-def _rowwise_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`linear` over [..., in] as groups of rows that each take the path a one-row call takes."""
+def rowwise_applies(x: torch.Tensor) -> bool:
+    """Whether `x` [..., in] (more than one row, on the CPU) must be cut into row groups: inside
+    `rowwise` on this thread."""
+    return getattr(_ROWWISE, "on", False) and x.is_cpu and x.numel() > x.shape[-1]
+
+
+def in_row_groups(x: torch.Tensor, group: int, fn, out_features: int) -> torch.Tensor:
+    """`fn` over [..., in] applied to groups of `group` rows (each group takes the path a call with
+    that many rows takes), joined back to [..., out_features]."""
     rows = x.reshape(-1, x.shape[-1])
-    group = kernel_rows() if _kernel_applies(rows[:1], weight, bias) else 1
-    out = torch.cat([linear(rows[i : i + group], weight, bias) for i in range(0, rows.shape[0], group)])
-    return out.reshape(*x.shape[:-1], weight.shape[0])
+    out = torch.cat([fn(rows[i : i + group]) for i in range(0, rows.shape[0], group)])
+    return out.reshape(*x.shape[:-1], out_features)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -130,8 +145,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """
     fn = KERNEL.get() if _kernel_applies(x, weight, bias) else None
     if fn is None:
-        if getattr(_ROWWISE, "on", False) and x.is_cpu and x.numel() > x.shape[-1]:
-            return _rowwise_linear(x, weight, bias)
+        if rowwise_applies(x):
+            group = kernel_rows() if _kernel_applies(x.reshape(-1, x.shape[-1])[:1], weight, bias) else 1
+            return in_row_groups(x, group, lambda rows: linear(rows, weight, bias), weight.shape[0])
         return F.linear(x, weight, bias)
     n, k = weight.shape
     # The kernel only needs x's rows contiguous; writing y in place of the [..., out] result

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridlm.ops.linear import in_row_groups, rowwise_applies
 from hybridlm.ops.native import FEW_TOKENS, NativeKernel
 
 __all__ = ["QUANTIZATIONS", "QuantLinear", "pack_int4", "quantize_", "unpack_int4"]
@@ -167,6 +168,10 @@ class QuantLinear(nn.Module):
         and round once."""
         fn = (INT8_KERNEL if self.bits == 8 else INT4_KERNEL).get() if self._kernel_applies(x) else None
         if fn is None:
+            if rowwise_applies(x):
+                # Packed decode rows of many sequences: each row as a one-row call computes it.
+                group = FEW_TOKENS if self._kernel_applies(x.reshape(-1, self.in_features)[:1]) else 1
+                return in_row_groups(x, group, self.forward, self.out_features)
             return self._forward_dequantized(x)
         if not x.is_contiguous():
             x = x.contiguous()
