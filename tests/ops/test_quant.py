@@ -158,7 +158,7 @@ def test_quantize_replaces_every_linear_but_skipped_ones():
 def test_under_rowwise_many_rows_are_each_computed_as_alone(scheme, dtype):
     """A packed forward of many sequences' decode rows (more than a kernel call takes) computes each
     row as a one-row call would, on the kernel path and on the dequantized one."""
-    q = QuantLinear.from_linear(_layer(45, 256, True).to(dtype), scheme).to(dtype)
+    q = QuantLinear.from_linear(_layer(45, 256, True), scheme)
     x = _x(3 * FEW_TOKENS + 2, 256).to(dtype)
     alone = torch.cat([q(x[i : i + 1]) for i in range(x.shape[0])])
     with rowwise():
