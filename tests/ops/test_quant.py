@@ -164,3 +164,16 @@ def test_under_rowwise_many_rows_are_each_computed_as_alone(scheme, dtype):
     with rowwise():
         assert torch.equal(q(x), alone)
         assert torch.equal(q(x.view(1, *x.shape))[0], alone)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_converting_the_module_keeps_the_scales_dtype(scheme):
+    """model.to(dtype) after quantizing leaves the scales as the kernels read them: same output."""
+    q = QuantLinear.from_linear(_layer(45, 256, True), scheme)
+    x = _x(3, 256)
+    before, dtype = q(x), q.scales.dtype
+    for to in (torch.float32, torch.float16, torch.bfloat16):
+        q.to(to)
+        assert q.scales.dtype is dtype
+        q.bias.data = q.bias.data.to(torch.bfloat16)
+        assert torch.equal(q(x), before)

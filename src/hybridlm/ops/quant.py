@@ -138,6 +138,15 @@ class QuantLinear(nn.Module):
         w = unpack_int4(q).float().view(q.shape[0], -1, self.group_size) * s.float()[..., None]
         return w.view(q.shape[0], self.in_features).to(dtype)
 
+    def _apply(self, fn, recurse: bool = True):
+        # `module.to(dtype)` must not convert the scales: the kernels read them by pointer as float32
+        # (int8) or bf16 (int4), and a round trip through another dtype would lose bits. Only their
+        # device follows.
+        scales = self.scales
+        super()._apply(fn, recurse)
+        self.scales = scales.to(self.qweight.device)
+        return self
+
     def _dequantized_slab(self, n0: int, n1: int) -> torch.Tensor:
         """Rows [n0, n1) as bf16, by the C kernel when it is built."""
         fn = (DEQUANT_INT8 if self.bits == 8 else DEQUANT_INT4).get() if self.qweight.is_cpu else None
