@@ -19,20 +19,17 @@ import statistics
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import tokenizers
 import torch
-import uvicorn
 
 from hybridlm.api import Model
-from hybridlm.bench.serve import MODEL_NAME, free_port
+from hybridlm.bench.serve import MODEL_NAME, start_server
 from hybridlm.cli import make_engine
 from hybridlm.engine import serial_setup
 from hybridlm.models.base import CausalLM
 from hybridlm.models.tokenizer import Tokenizer
-from hybridlm.server import create_app
 
 
 def id_tokenizer(vocab: int) -> Tokenizer:
@@ -125,15 +122,7 @@ def main(args, model) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     engine = make_engine(model, args)
-    port = free_port()
-    config = uvicorn.Config(
-        create_app(engine, MODEL_NAME), host="127.0.0.1", port=port, log_level="warning", access_log=False
-    )
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, name="bench-server", daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.01)
+    port, stop_server = start_server(engine)
     client = subprocess.Popen(
         [sys.executable, str(Path(__file__).with_name("concurrent_client.py"))],
         stdin=subprocess.PIPE,
@@ -205,8 +194,7 @@ def main(args, model) -> int:
     finally:
         client.stdin.close()
         client.wait(60)
-        server.should_exit = True
-        thread.join()
+        stop_server()
         engine.close()
     by_n: dict[int, list[dict]] = {}
     for row in report["rounds"]:

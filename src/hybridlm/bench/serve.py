@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -86,12 +87,9 @@ class HTTPClient:
         self._proc.wait(30)
 
 
-def main(args, model) -> int:
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    engine = Engine(
-        model.lm, model.tokenizer, prefill_chunk=args.prefill_chunk, context_length=args.context_length
-    )
+def start_server(engine: Engine) -> tuple[int, Callable[[], None]]:
+    """Serve `engine` as `MODEL_NAME` from uvicorn on a thread of this process, on a free loopback port;
+    returns the port (once it accepts connections) and the function that stops the server."""
     port = free_port()
     config = uvicorn.Config(
         create_app(engine, MODEL_NAME), host="127.0.0.1", port=port, log_level="warning", access_log=False
@@ -101,6 +99,21 @@ def main(args, model) -> int:
     thread.start()
     while not server.started:
         time.sleep(0.01)
+
+    def stop() -> None:
+        server.should_exit = True
+        thread.join()
+
+    return port, stop
+
+
+def main(args, model) -> int:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    engine = Engine(
+        model.lm, model.tokenizer, prefill_chunk=args.prefill_chunk, context_length=args.context_length
+    )
+    port, stop_server = start_server(engine)
 
     # Ids fixed by a seed, so every run prefills the same prompt.
     vocab = min(model.tokenizer.vocab_size, model.lm.vocab_size)
@@ -118,8 +131,7 @@ def main(args, model) -> int:
             through_http.append(client.run(ids, args.max_tokens))
     finally:
         client.close()
-        server.should_exit = True
-        thread.join()
+        stop_server()
         engine.close()
 
     def summary(runs: list[Run]) -> dict[str, float]:
