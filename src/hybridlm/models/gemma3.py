@@ -10,6 +10,7 @@ from torch import nn
 from hybridlm.batch import Batch
 from hybridlm.models.base import CausalLM, Config, register
 from hybridlm.models.layers import Attention, GatedMLP
+from hybridlm.ops.elementwise import elementwise_rows
 from hybridlm.ops.linear import Linear
 from hybridlm.ops.norms import OffsetRMSNorm
 from hybridlm.ops.rope import Rotary, inv_freq_from_params
@@ -95,6 +96,8 @@ class Gemma3Block(nn.Module):
 
 @register("gemma3_text", "gemma3")
 class Gemma3(CausalLM):
+    packs = True
+
     def __init__(self, config: Config):
         super().__init__()
         self.config = c = config
@@ -147,5 +150,5 @@ class Gemma3(CausalLM):
         logits = self.lm_head(h).float()
         cap = self.config.final_logit_softcapping
         if cap:
-            logits = torch.tanh(logits / cap) * cap
+            logits = elementwise_rows(lambda t: torch.tanh(t / cap) * cap, logits)
         return logits

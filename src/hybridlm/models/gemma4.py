@@ -20,12 +20,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybridlm.batch import Batch
+from hybridlm.batch import Batch, Packed
 from hybridlm.cache import AttentionHistory, KVCache, SlidingKVCache
 from hybridlm.models.base import CausalLM, Config, last_rows, register
-from hybridlm.models.layers import ACTIVATIONS, GatedMLP, rope_tables
+from hybridlm.models.layers import ACTIVATIONS, GatedMLP, per_segment, rope_tables
 from hybridlm.models.qwen3_next import Experts
 from hybridlm.ops.attention import attention
+from hybridlm.ops.elementwise import elementwise_rows
 from hybridlm.ops.linear import Linear
 from hybridlm.ops.norms import rms_normalize
 from hybridlm.ops.rope import Rotary, apply_rotary, default_inv_freq, inv_freq_from_params
@@ -207,28 +208,38 @@ class Gemma4Attention(nn.Module):
         extra = ASSISTANT_EXTRA_ROWS if self.sharing == STORE else 0
         return SlidingKVCache(self.window + extra, batch_size)
 
-    def forward(
-        self, x: torch.Tensor, batch: Batch, cache, shared: dict[str, AttentionHistory]
-    ) -> torch.Tensor:
-        """x [B, L, d] -> [B, L, d]; advances the cache (if any) by the batch."""
+    def forward(self, x: torch.Tensor, batch: Batch, cache, shared: dict) -> torch.Tensor:
+        """x [B, L, d] -> [B, L, d]; advances the cache (if any) by the batch. A `Packed` batch runs the
+        projections over all rows and the attention per segment (`cache`, and a producer's entry in
+        `shared`, are then per-segment lists)."""
         b, length, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, length, self.heads, self.head_dim)).transpose(1, 2)
         cos, sin = rope_tables(batch, self.rotary, q.dtype)
         q = apply_rotary(q, cos, sin)
         if self.sharing == REUSE:
-            hist = shared[self.kind]
+            o = per_segment(batch, shared[self.kind], self.attend, q, dim=2)
         else:
             k = self.k_proj(x).view(b, length, self.kv_heads, self.head_dim)
             v = k if self.v_proj is None else self.v_proj(x).view(b, length, self.kv_heads, self.head_dim)
             k = apply_rotary(self.k_norm(k).transpose(1, 2), cos, sin)
             v = self.v_norm(v).transpose(1, 2)
-            hist = self.visible(cache.update(batch, k, v), batch)
+            histories: list[AttentionHistory] = []
+
+            def store_and_attend(seg: Batch, seg_cache, q, k, v) -> torch.Tensor:
+                hist = self.visible(seg_cache.update(seg, k, v), seg)
+                histories.append(hist)
+                return self.attend(seg, hist, q)
+
+            o = per_segment(batch, cache, store_and_attend, q, k, v, dim=2)
             if self.sharing == STORE:
-                shared[self.kind] = hist
-        o = attention(
+                shared[self.kind] = histories if isinstance(batch, Packed) else histories[0]
+        return self.o_proj(o.transpose(1, 2).reshape(b, length, -1))
+
+    def attend(self, batch: Batch, hist: AttentionHistory, q: torch.Tensor) -> torch.Tensor:
+        """q [B, H, L, D] over the keys / values of `hist` -> [B, H, L, D]."""
+        return attention(
             q, hist.keys, hist.values, batch, key_start=hist.key_start, scale=1.0, window=self.window
         )
-        return self.o_proj(o.transpose(1, 2).reshape(b, length, -1))
 
     def visible(self, hist: AttentionHistory, batch: Batch) -> AttentionHistory:
         """Drop the rows a cache keeps beyond this layer's window (the producer's extra rows for the
@@ -314,7 +325,7 @@ class Gemma4Block(nn.Module):
             y = self.post_feedforward_layernorm_1(y) + self.post_feedforward_layernorm_2(routed.view(h.shape))
         h = h + self.post_feedforward_layernorm(y)
         if self.per_layer:
-            gate = self.act(self.per_layer_input_gate(h)) * per_layer_input
+            gate = elementwise_rows(self.act, self.per_layer_input_gate(h)) * per_layer_input
             h = h + self.post_per_layer_input_norm(self.per_layer_projection(gate))
         return h * self.layer_scalar
 
@@ -367,7 +378,10 @@ def remap_text(name: str, shared_layers: set[int]) -> str | None:
 @register("gemma4_text", "gemma4")
 class Gemma4(CausalLM):
     """Layers' forward takes `(h, batch, cache, per_layer_input, shared)`: `shared` carries each
-    producer's attention history to the KV-shared layers within one forward."""
+    producer's attention history to the KV-shared layers within one forward (per segment for a
+    `Packed` batch)."""
+
+    packs = True
 
     def __init__(self, config: Config):
         super().__init__()
@@ -465,7 +479,7 @@ class Gemma4(CausalLM):
         logits = self.lm_head(h).float()
         cap = self.config.final_logit_softcapping
         if cap:
-            logits = torch.tanh(logits / cap) * cap
+            logits = elementwise_rows(lambda t: torch.tanh(t / cap) * cap, logits)
         return logits
 
 

@@ -13,6 +13,7 @@ from hybridlm.batch import Batch, Packed
 from hybridlm.cache import KVCache, RecurrentCache, SlidingKVCache
 from hybridlm.ops.attention import attention
 from hybridlm.ops.conv import causal_conv1d
+from hybridlm.ops.elementwise import elementwise_rows
 from hybridlm.ops.gated_delta import FUSED_MAX_LEN, gated_delta_net_scan
 from hybridlm.ops.linear import Linear
 from hybridlm.ops.norms import GatedRMSNorm
@@ -107,7 +108,7 @@ class Attention(nn.Module):
         o = per_segment(batch, cache, self.attend, q, k, v, dim=2)
         o = o.transpose(1, 2).reshape(b, length, -1)
         if gate is not None:
-            o = o * torch.sigmoid(gate)
+            o = o * elementwise_rows(torch.sigmoid, gate)
         return self.o_proj(o)
 
     def attend(self, batch: Batch, cache: KVCache, q, k, v) -> torch.Tensor:
@@ -136,7 +137,7 @@ class GatedMLP(nn.Module):
         self.act = ACTIVATIONS[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(elementwise_rows(self.act, self.gate_proj(x)) * self.up_proj(x))
 
 
 class GatedDeltaNet(nn.Module):

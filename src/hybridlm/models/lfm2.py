@@ -15,7 +15,7 @@ from torch import nn
 from hybridlm.batch import Batch
 from hybridlm.cache import ConvCache
 from hybridlm.models.base import CausalLM, Config, register
-from hybridlm.models.layers import Attention, DecoderLayer, GatedMLP
+from hybridlm.models.layers import Attention, DecoderLayer, GatedMLP, per_segment
 from hybridlm.ops.conv import causal_conv1d
 from hybridlm.ops.linear import Linear
 from hybridlm.ops.norms import RMSNorm
@@ -53,16 +53,22 @@ class ShortConv(nn.Module):
         return ConvCache(batch_size, self.hidden, self.kernel, dtype, device)
 
     def forward(self, x: torch.Tensor, batch: Batch, cache: ConvCache) -> torch.Tensor:
-        """x [B, L, hidden] -> [B, L, hidden]; advances `cache` by the batch's real tokens."""
+        """x [B, L, hidden] -> [B, L, hidden]; advances `cache` by the batch's real tokens (a `Packed`
+        batch: the projections over all rows, the convolution per segment on its own cache)."""
         b_gate, c_gate, v = self.in_proj(x).chunk(3, dim=-1)
-        bx = b_gate * v
+        y = per_segment(batch, cache, self.convolve, b_gate * v)
+        return self.out_proj(c_gate * y)
+
+    def convolve(self, batch: Batch, cache: ConvCache, bx: torch.Tensor) -> torch.Tensor:
+        """The causal conv of this forward's conv inputs bx [B, L, hidden] from `cache`'s tail; the
+        cache takes the new tail, its captures and (while recording) the inputs."""
         hist = cache.get(batch)
         # Padded positions must not reach the carried tail (a padded row ends in the state of its prefix).
         lens = batch.query_lens if batch.padded else None
         w, bias = self.conv.weight.squeeze(1), self.conv.bias
         y, tail, tails = causal_conv1d(bx, w, bias, hist.conv_tail, query_lens=lens, splits=hist.splits)
         cache.put(batch, tail, None, [(t, None) for t in tails], inputs=bx if hist.record else None)
-        return self.out_proj(c_gate * y)
+        return y
 
 
 def ff_dim(c: Config) -> int:
@@ -82,6 +88,8 @@ def ff_dim(c: Config) -> int:
 
 @register("lfm2")
 class Lfm2(CausalLM):
+    packs = True
+
     def __init__(self, config: Config):
         super().__init__()
         self.config = c = config

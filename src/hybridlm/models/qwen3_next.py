@@ -16,6 +16,7 @@ from hybridlm.models.base import Config, register
 from hybridlm.models.layers import ACTIVATIONS, GatedMLP
 from hybridlm.models.loader import CheckpointError
 from hybridlm.models.qwen3_5 import Qwen3_5, layer_types
+from hybridlm.ops.elementwise import elementwise_rows
 from hybridlm.ops.linear import Linear, linear
 
 
@@ -50,7 +51,7 @@ class Experts(nn.Module):
         for e, n in zip(hit.tolist(), sizes.tolist(), strict=True):
             rows = tokens[start : start + n]
             gate, up = linear(x[rows], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = linear(self.act(gate) * up, self.down_proj[e])
+            y = linear(elementwise_rows(self.act, gate) * up, self.down_proj[e])
             out.index_add_(0, rows, (y * w[start : start + n]).float())
             start += n
         return out.to(x.dtype)
@@ -78,7 +79,7 @@ class SparseMoE(nn.Module):
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         out = self.experts(x, index, weights.to(x.dtype))
-        out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        out = out + elementwise_rows(torch.sigmoid, self.shared_expert_gate(x)) * self.shared_expert(x)
         return out.view(shape)
 
 
@@ -103,8 +104,6 @@ def take(state: dict[str, torch.Tensor], name: str, shape: tuple[int, ...]) -> t
 
 @register("qwen3_next")
 class Qwen3Next(Qwen3_5):
-    packs = False  # the MoE gathers rows per expert: a row's numbers would depend on its neighbours
-
     def mlp(self, c: Config, index: int) -> nn.Module:
         if is_sparse(c, index):
             return SparseMoE(c)

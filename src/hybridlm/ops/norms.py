@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridlm.ops.linear import rowwise_applies
 from hybridlm.ops.native import NativeKernel
 
 # The fused norms: csrc/norms.c; mode 0 RMSNorm, 1 OffsetRMSNorm, 2 GatedRMSNorm.
@@ -35,9 +36,10 @@ def fused_rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, mode: int, gate: torch.Tensor | None = None
 ) -> torch.Tensor | None:
     """The norm of ``mode`` over the last dim of x ``[..., D]`` by the C kernel, or None where it
-    does not apply (the caller then runs the torch ops)."""
+    does not apply (the caller then runs the torch ops). Under `rowwise()` (packed rows of many
+    sequences) any size takes the kernel, which computes each row as alone."""
     if not (
-        x.numel() <= FUSED_MAX_NUMEL
+        (x.numel() <= FUSED_MAX_NUMEL or rowwise_applies(x))
         and x.is_cpu
         and x.dtype in (torch.bfloat16, torch.float32)
         and weight.dtype is x.dtype
