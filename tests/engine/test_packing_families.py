@@ -6,12 +6,14 @@ from __future__ import annotations
 import random
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 import hybridlm.engine.engine as engine_module
 from hybridlm.engine import Engine, SamplingParams
 from hybridlm.models import load_model
 from hybridlm.speculative import NgramDrafter, Speculator
 from tests.engine.test_batching import run_together
+from tests.engine.test_batching_machine import BatchingMachine
 
 FAMILIES = ["qwen3_5_text", "qwen3_next", "lfm2", "gemma3_text", "gemma4_text", "gemma4_moe", "dense_qwen3"]
 
@@ -52,3 +54,23 @@ def test_concurrent_requests_of_every_family_equal_their_solo_runs(checkpoints, 
         results = run_together(together, jobs())
     assert [r.token_ids for r in results] == solo
     assert packed_rows and max(packed_rows) > 1  # decode rows of several sequences did share forwards
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "lfm2", "gemma3_text", "gemma4_text"])
+def test_random_arrivals_and_cancellations_leave_every_family_exact(checkpoints, name):
+    """The stateful batching property (random arrivals, cancellations, speculative / plain requests;
+    each output equals its solo run in bf16) on the families beside the demo model's."""
+    BatchingMachine.lm = load_model(checkpoints(name).path, device="cpu")
+    BatchingMachine.with_prefix = False
+    BatchingMachine.solo_cache = {}
+    BatchingMachine.seen = {}
+    run = BatchingMachine.TestCase
+    run.settings = settings(
+        max_examples=4,
+        stateful_step_count=12,
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+        derandomize=True,
+    )
+    run().runTest()
+    assert BatchingMachine.seen["running"] > 1 and BatchingMachine.seen["cancelled"]
