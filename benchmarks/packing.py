@@ -3,12 +3,13 @@ not pack costs in an engine step), and N sequences packed into one `forward_pack
 
     python benchmarks/packing.py [--families ...] [--sequences 8] [--threads 2] [--steps 20]
 
-Each family runs on a random checkpoint (bf16) written once under ~/.cache/hybridlm/packing/: the
-published small shapes of `models.random.PRESETS` for Qwen3.5 / LFM2 / Gemma 3, and scaled-down shapes
-for Qwen3-Next (MoE) and Gemma 4 (per-layer inputs, KV-shared layers), whose smallest published
-checkpoints do not fit this benchmark's memory. Every sequence first prefills its own `--context`
-tokens; a step then feeds each its next token at its own offset. Reported: the median step over
-`--steps` (after 2 warm-up steps), in ms, per step and per token, and what packing saves.
+Each family runs on a random checkpoint (bf16) written once under ~/.cache/hybridlm/: the published
+small shapes of `models.random.PRESETS` for Qwen3.5 / LFM2 / Gemma 3 (shared with `hybridlm bench
+forward --preset`), and under packing/ scaled-down shapes for Qwen3-Next (MoE) and Gemma 4 (per-layer
+inputs, KV-shared layers), whose smallest published checkpoints are too large for this shared machine.
+Every sequence first prefills its own `--context` tokens; a step then feeds each its next token at
+its own offset. Reported: the median step over `--steps` (after 2 warm-up steps), in ms, per step
+and per token, and what packing saves.
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ from pathlib import Path
 import torch
 
 from hybridlm.batch import Batch
+from hybridlm.bench.forward import preset_dir
 from hybridlm.models import load_model
 from hybridlm.models.base import forward_packed
-from hybridlm.models.random import PRESETS, write_random_checkpoint
+from hybridlm.models.random import write_random_checkpoint
 
 # Qwen3-Next's published structure (3 Gated DeltaNet layers per gated attention layer, routed
 # experts with a sigmoid-gated shared expert on every layer), at 1/2 width and 1/6 depth, 64 experts.
@@ -81,16 +83,20 @@ GEMMA4_SMALL = {
     "max_position_embeddings": 131072,
 }
 
+# family -> a `models.random.PRESETS` name or a shape of this file
 SHAPES = {
-    "qwen3.5": PRESETS["qwen3.5-0.8b"],
+    "qwen3.5": "qwen3.5-0.8b",
     "qwen3-next": QWEN3_NEXT_SMALL,
-    "lfm2": PRESETS["lfm2-350m"],
-    "gemma3": PRESETS["gemma3-270m"],
+    "lfm2": "lfm2-350m",
+    "gemma3": "gemma3-270m",
     "gemma4": GEMMA4_SMALL,
 }
 
 
 def checkpoint(family: str) -> Path:
+    """The family's random checkpoint: a preset's is shared with `hybridlm bench forward --preset`."""
+    if isinstance(SHAPES[family], str):
+        return preset_dir(SHAPES[family])
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hybridlm" / "packing"
     out = base / family
     if not (out / "config.json").exists():
@@ -147,7 +153,7 @@ def measure(family: str, sequences: int, steps: int, context: int) -> dict:
     together = median_ms(packed(*prefilled(sequences)), steps)
     return {
         "family": family,
-        "model_type": SHAPES[family]["model_type"],
+        "model_type": model.config.model_type,
         "parameters_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 1),
         "sequences": sequences,
         "one_ms": round(one, 2),

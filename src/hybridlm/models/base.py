@@ -52,8 +52,8 @@ class CausalLM(nn.Module):
     """
 
     config: Config
-    # Whether every layer runs a `Packed` batch (projections over all rows, token mixers per sequence):
-    # families built only from `layers.Attention`, `layers.GatedDeltaNet`, dense MLPs and norms.
+    # Whether every layer runs a `Packed` batch (projections over all rows, token mixers per sequence
+    # through `layers.per_segment`, every other op per-row math): a family opts in once its layers do.
     packs = False
 
     @classmethod
