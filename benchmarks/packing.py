@@ -8,8 +8,8 @@ small shapes of `models.random.PRESETS` for Qwen3.5 / LFM2 / Gemma 3 (shared wit
 forward --preset`), and under packing/ scaled-down shapes for Qwen3-Next (MoE) and Gemma 4 (per-layer
 inputs, KV-shared layers), whose smallest published checkpoints are too large for this shared machine.
 Every sequence first prefills its own `--context` tokens; a step then feeds each its next token at
-its own offset. Reported: the median step over `--steps` (after 2 warm-up steps), in ms, per step
-and per token, and what packing saves.
+its own offset. Reported: the median step over `--steps` (after 2 warm-up steps) in wall and process
+CPU milliseconds, and what packing saves.
 """
 
 from __future__ import annotations
@@ -107,15 +107,17 @@ def checkpoint(family: str) -> Path:
     return out
 
 
-def median_ms(step, steps: int) -> float:
-    """Median milliseconds of `step()` over `steps` calls after 2 warm-up calls."""
-    times = []
+def median_ms(step, steps: int) -> tuple[float, float]:
+    """Median wall and process-CPU milliseconds of `step()` over `steps` calls after 2 warm-up calls
+    (on a loaded machine CPU time leaves out the time spent waiting for a core)."""
+    wall, cpu = [], []
     for i in range(steps + 2):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         step()
         if i >= 2:
-            times.append(time.perf_counter() - t0)
-    return 1000 * statistics.median(times)
+            wall.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
+    return 1000 * statistics.median(wall), 1000 * statistics.median(cpu)
 
 
 def measure(family: str, sequences: int, steps: int, context: int) -> dict:
@@ -148,9 +150,9 @@ def measure(family: str, sequences: int, steps: int, context: int) -> dict:
 
         return step
 
-    one = median_ms(separate(*prefilled(1)), steps)
-    apart = median_ms(separate(*prefilled(sequences)), steps)
-    together = median_ms(packed(*prefilled(sequences)), steps)
+    one, one_cpu = median_ms(separate(*prefilled(1)), steps)
+    apart, apart_cpu = median_ms(separate(*prefilled(sequences)), steps)
+    together, together_cpu = median_ms(packed(*prefilled(sequences)), steps)
     return {
         "family": family,
         "model_type": model.config.model_type,
@@ -159,9 +161,11 @@ def measure(family: str, sequences: int, steps: int, context: int) -> dict:
         "one_ms": round(one, 2),
         "separate_ms": round(apart, 2),
         "packed_ms": round(together, 2),
-        "packed_ms_per_token": round(together / sequences, 2),
         "packed_vs_separate": round(apart / together, 2),
         "packed_vs_one": round(together / one, 2),
+        "cpu_one_ms": round(one_cpu, 2),
+        "cpu_separate_ms": round(apart_cpu, 2),
+        "cpu_packed_ms": round(together_cpu, 2),
     }
 
 
@@ -183,10 +187,11 @@ def main() -> None:
         row = measure(family, args.sequences, args.steps, args.context)
         rows.append(row)
         print(
-            f"{family:11s} {row['parameters_m']:7.1f} M  1 seq {row['one_ms']:7.1f} ms | "
-            f"{args.sequences} separate {row['separate_ms']:7.1f} ms | {args.sequences} packed "
-            f"{row['packed_ms']:7.1f} ms ({row['packed_ms_per_token']:.1f} ms/token, "
-            f"{row['packed_vs_separate']:.2f}x faster than separate, {row['packed_vs_one']:.2f}x one step)",
+            f"{family:10s} {row['parameters_m']:6.1f} M | wall: 1 seq {row['one_ms']:7.1f} ms, "
+            f"{args.sequences} separate {row['separate_ms']:7.1f}, {args.sequences} packed "
+            f"{row['packed_ms']:7.1f} ({row['packed_vs_separate']:.2f}x faster than separate, "
+            f"{row['packed_vs_one']:.2f}x one step) | CPU: {row['cpu_one_ms']:.1f} / "
+            f"{row['cpu_separate_ms']:.1f} / {row['cpu_packed_ms']:.1f} ms",
             flush=True,
         )
     if args.json:
