@@ -166,9 +166,14 @@ int hybridlm_linear_int8(const uint16_t* x, int64_t M, const int8_t* q, const fl
             const int mc = M - m0 < MC8 ? (int)(M - m0) : MC8;
             float out[RB][MC8];
             /* constant (rb, mc) per call site, so the tile's loops unroll into registers */
-            if (rb == RB && mc == MC8) tile_i8(xf + m0 * K, K, MC8, q + n0 * K, RB, out);
-            else if (rb == RB && mc == 1) tile_i8(xf + m0 * K, K, 1, q + n0 * K, RB, out);
-            else tile_i8(xf + m0 * K, K, mc, q + n0 * K, rb, out);
+#define TILE8(cols) tile_i8(xf + m0 * K, K, cols, q + n0 * K, RB, out)
+            if (rb == RB) {
+                switch (mc) { case 1: TILE8(1); break; case 2: TILE8(2); break; case 3: TILE8(3); break;
+                              default: TILE8(MC8); }
+            } else {
+                tile_i8(xf + m0 * K, K, mc, q + n0 * K, rb, out);
+            }
+#undef TILE8
             for (int r = 0; r < rb; r++) {
                 const float bv = bias ? bf16_to_f32(bias[n0 + r]) : 0.f;
                 for (int c = 0; c < mc; c++)
