@@ -249,21 +249,47 @@ void hybridlm_dequant_int8(const int8_t* q, const float* scale, uint16_t* w, int
     }
 }
 
-/* Rows [n0, n1) of an int4 weight [N, K] as bf16 w [n1 - n0, K], each q · scale rounded to bf16 once;
+/* Rows [n0, n1) of an int4 weight [N, K] as bf16 w [n1 - n0, K], each q · scale rounded to bf16 once
+   (to nearest even, as f32_to_bf16 and vcvtneps2bf16 both round; q · scale is exact in float32);
    n0 is a multiple of 16 and n1 one too or N (whole panels). */
 void hybridlm_dequant_int4(const uint8_t* q, const uint16_t* scales, int fp16, uint16_t* w, int64_t n0, int64_t n1,
                            int64_t N, int64_t K, int64_t G, int nthreads) {
+    const int64_t groups = K / G;
     #pragma omp parallel for schedule(static) num_threads(nthreads)
-    for (int64_t n = n0; n < n1; n++) {
-        const int64_t p0 = n / 16 * 16, width = N - p0 < 16 ? N - p0 : 16, i = n - p0;
+    for (int64_t p0 = n0; p0 < n1; p0 += 16) {
+        const int64_t width = N - p0 < 16 ? N - p0 : 16;
         const uint32_t* words = (const uint32_t*)(q + p0 * (K / 2));
-        const uint16_t* s = scales + p0 * (K / G);
-        uint16_t* out = w + (n - n0) * K;
-        for (int64_t k = 0; k < K; k += 8) {
-            const uint32_t word = words[k / 8 * width + i];
-            const uint16_t sv = s[k / G * width + i];
-            const float scale = scale_f32(sv, fp16);
-            for (int t = 0; t < 8; t++) out[k + t] = f32_to_bf16((float)((int)((word >> (4 * t)) & 15) - 8) * scale);
+        const uint16_t* s = scales + p0 * groups;
+        uint16_t* out = w + (p0 - n0) * K;
+        int64_t i = 0;
+#if QUANT_SIMD
+        /* rows i, i + 1 of the panel at once: lanes 0 .. 7 take row i's word shifted right by 4s
+           (nibble s), lanes 8 .. 15 row i + 1's; vpermps maps the low 4 bits to q */
+        const __m512 table = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+        const __m512i shifts = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
+        const uint16_t tail = width < 16 ? (uint16_t)((1u << width) - 1) : 0xffff;
+        for (; i + 2 <= width; i += 2) {
+            const __m512i pair = _mm512_setr_epi32((int)i, (int)i, (int)i, (int)i, (int)i, (int)i, (int)i, (int)i,
+                                                   (int)i + 1, (int)i + 1, (int)i + 1, (int)i + 1, (int)i + 1,
+                                                   (int)i + 1, (int)i + 1, (int)i + 1);
+            for (int64_t g = 0; g < groups; g++) {
+                const __m512 sv = _mm512_permutexvar_ps(pair, scales_f32(s + g * width, fp16, tail == 0xffff ? 0 : tail));
+                for (int64_t b = g * (G / 8); b < (g + 1) * (G / 8); b++) {
+                    const __m512i raw = _mm512_maskz_loadu_epi32(tail, words + b * width);
+                    const __m512i nib = _mm512_srlv_epi32(_mm512_permutexvar_epi32(pair, raw), shifts);
+                    const __m256i v = (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_permutexvar_ps(nib, table), sv));
+                    _mm_storeu_si128((__m128i*)(out + i * K + b * 8), _mm256_castsi256_si128(v));
+                    _mm_storeu_si128((__m128i*)(out + (i + 1) * K + b * 8), _mm256_extracti128_si256(v, 1));
+                }
+            }
         }
+#endif
+        for (; i < width; i++)
+            for (int64_t k = 0; k < K; k += 8) {
+                const uint32_t word = words[k / 8 * width + i];
+                const float scale = scale_f32(s[k / G * width + i], fp16);
+                for (int t = 0; t < 8; t++)
+                    out[i * K + k + t] = f32_to_bf16((float)((int)((word >> (4 * t)) & 15) - 8) * scale);
+            }
     }
 }
