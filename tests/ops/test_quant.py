@@ -208,3 +208,39 @@ def test_converting_the_module_keeps_the_scales_dtype(scheme):
         assert q.scales.dtype is dtype
         q.bias.data = q.bias.data.to(torch.bfloat16)
         assert torch.equal(q(x), before)
+
+
+@pytest.mark.parametrize("scheme", KERNEL_SCHEMES)
+def test_the_portable_kernels_built_without_avx512_agree_with_the_reference(scheme, tmp_path):
+    """quant.c's scalar fallback (a CPU without AVX512-BF16) computes the same layer."""
+    import ctypes
+    import subprocess
+
+    from hybridlm.ops.native import CFLAGS, CSRC, compiler
+
+    try:
+        cc = compiler()
+    except RuntimeError:
+        pytest.skip("no C compiler")
+    flags = [f for f in CFLAGS if not f.startswith("-march")] + ["-march=x86-64"]
+    lib_path = tmp_path / "portable.so"
+    proc = subprocess.run([cc, *flags, f"-I{CSRC}", str(CSRC / "quant.c"), "-o", str(lib_path)],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot build for x86-64: {proc.stderr[-200:]}")
+    lib = ctypes.CDLL(str(lib_path))
+    for kernel in (quant_mod.INT8_KERNEL, quant_mod.INT4_KERNEL):
+        getattr(lib, kernel.symbol).argtypes = kernel.argtypes
+    q = _quantized(_layer(37, 256, True), scheme)
+    for rows in (1, 5):
+        x = _x(rows, 256)
+        y = torch.empty(rows, 37, dtype=torch.bfloat16)
+        w, s, b = q.qweight.data_ptr(), q.scales.data_ptr(), q.bias.data_ptr()
+        if q.bits == 8:
+            lib.hybridlm_linear_int8(x.data_ptr(), rows, w, s, b, y.data_ptr(), 37, 256, 1)
+        else:
+            fp16 = int(q.scales.dtype is torch.float16)
+            group = q.group_size
+            lib.hybridlm_linear_int4(x.data_ptr(), rows, w, s, fp16, b, y.data_ptr(), 37, 256, group, 1)
+        ref, size = _reference(q, x)
+        assert torch.all((y.double() - ref).abs() <= ref.abs() * 2**-8 + size * 1e-5)
