@@ -14,6 +14,7 @@ from hybridlm.batch import Batch
 from hybridlm.bench.quality import compare, sequences
 from hybridlm.models import CheckpointError, load_model
 from hybridlm.models.gptq import dequantize_gptq
+from hybridlm.models.quantized import save_quantized
 from hybridlm.ops.quant import QuantLinear
 from tests.oracles.common import save
 from tests.speculative.helpers import ids_for, plain_greedy
@@ -115,11 +116,16 @@ def test_a_gptq_checkpoint_loads_as_int4_layers_equal_to_its_dequantized_weights
     assert len(plain_greedy(model, ids_for(9, seed=4), 5)) == 5
 
 
-def test_a_quantized_lm_head_loads_too(source, tmp_path):
+def test_a_quantized_lm_head_loads_too_and_saves_to_bit_identical_logits(source, tmp_path):
     expected = write_gptq(source, tmp_path / "gptq", lm_head=True)
     model = load_model(tmp_path / "gptq", torch.bfloat16, "cpu")
     assert isinstance(model.lm_head, QuantLinear)
     assert torch.equal(model.lm_head.dequantized(torch.float64), expected["lm_head"])
+    # hybridlm's own quantized checkpoint keeps the fp16 scales: the same logits, bit for bit
+    saved = load_model(save_quantized(model, tmp_path / "gptq", tmp_path / "ours"), torch.bfloat16, "cpu")
+    ids = ids_for(20, seed=5)
+    assert torch.equal(saved(Batch.single(ids), saved.make_caches(1), logits="all"),
+                       model(Batch.single(ids), model.make_caches(1), logits="all"))
 
 
 @pytest.mark.parametrize(
