@@ -229,7 +229,7 @@ def test_the_portable_kernels_built_without_avx512_agree_with_the_reference(sche
     if proc.returncode != 0:
         pytest.skip(f"cannot build for x86-64: {proc.stderr[-200:]}")
     lib = ctypes.CDLL(str(lib_path))
-    for kernel in (quant_mod.INT8_KERNEL, quant_mod.INT4_KERNEL):
+    for kernel in (quant_mod.INT8_KERNEL, quant_mod.INT4_KERNEL, quant_mod.DEQUANT_INT4):
         getattr(lib, kernel.symbol).argtypes = kernel.argtypes
     q = _quantized(_layer(37, 256, True), scheme)
     for rows in (1, 5):
@@ -244,3 +244,9 @@ def test_the_portable_kernels_built_without_avx512_agree_with_the_reference(sche
             lib.hybridlm_linear_int4(x.data_ptr(), rows, w, s, fp16, b, y.data_ptr(), 37, 256, group, 1)
         ref, size = _reference(q, x)
         assert torch.all((y.double() - ref).abs() <= ref.abs() * 2**-8 + size * 1e-5)
+    if q.bits == 4:  # the prefill dequantization, transposed: [in, rows]
+        wt = torch.empty(256, 21, dtype=torch.bfloat16)
+        fp16 = int(q.scales.dtype is torch.float16)
+        w, s = q.qweight.data_ptr(), q.scales.data_ptr()
+        lib.hybridlm_dequant_int4(w, s, fp16, wt.data_ptr(), 16, 37, 37, 256, q.group_size, 1)
+        assert torch.equal(wt.T, q.dequantized(torch.bfloat16)[16:37])

@@ -186,20 +186,21 @@ class QuantLinear(nn.Module):
         return self
 
     def _dequantized_slab(self, n0: int, n1: int) -> torch.Tensor:
-        """Rows [n0, n1) as bf16 (int4: n0 a multiple of `PANEL`, n1 too or the last row), by the C
-        kernel when it is built."""
+        """Rows [n0, n1) as bf16 [n1 - n0, in] (int4: n0 a multiple of `PANEL`, n1 too or the last
+        row), by the C kernel when it is built; int4 as the transposed view of an [in, n1 - n0]
+        tensor (the panels' order; F.linear reads either)."""
         fn = (DEQUANT_INT8 if self.bits == 8 else DEQUANT_INT4).get() if self.qweight.is_cpu else None
         if fn is None:
             return self.dequantized(torch.bfloat16, slice(n0, n1))
-        w = torch.empty(n1 - n0, self.in_features, dtype=torch.bfloat16)
         q, s, threads = self.qweight.data_ptr(), self.scales.data_ptr(), torch.get_num_threads()
         if self.bits == 8:
+            w = torch.empty(n1 - n0, self.in_features, dtype=torch.bfloat16)
             fn(q, s, w.data_ptr(), n0, n1, self.in_features, threads)
-        else:
-            fp16 = int(self.scales.dtype is torch.float16)
-            n, k = self.out_features, self.in_features
-            fn(q, s, fp16, w.data_ptr(), n0, n1, n, k, self.group_size, threads)
-        return w
+            return w
+        wt = torch.empty(self.in_features, n1 - n0, dtype=torch.bfloat16)
+        fp16 = int(self.scales.dtype is torch.float16)
+        fn(q, s, fp16, wt.data_ptr(), n0, n1, self.out_features, self.in_features, self.group_size, threads)
+        return wt.T
 
     def _kernel_applies(self, x: torch.Tensor) -> bool:
         """bf16 CPU input of 1..FEW_TOKENS rows, CPU weights, not traced by torch.compile.

@@ -249,47 +249,42 @@ void hybridlm_dequant_int8(const int8_t* q, const float* scale, uint16_t* w, int
     }
 }
 
-/* Rows [n0, n1) of an int4 weight [N, K] as bf16 w [n1 - n0, K], each q · scale rounded to bf16 once
-   (to nearest even, as f32_to_bf16 and vcvtneps2bf16 both round; q · scale is exact in float32);
-   n0 is a multiple of 16 and n1 one too or N (whole panels). */
-void hybridlm_dequant_int4(const uint8_t* q, const uint16_t* scales, int fp16, uint16_t* w, int64_t n0, int64_t n1,
+/* Rows [n0, n1) of an int4 weight [N, K] as bf16, transposed: wt [K, n1 - n0] (column n - n0 is row
+   n, so a panel's 16 rows are 16 consecutive values), each q · scale rounded to bf16 once (to nearest
+   even, as f32_to_bf16 and vcvtneps2bf16 both round; q · scale is exact in float32); n0 is a
+   multiple of 16 and n1 one too or N (whole panels). */
+void hybridlm_dequant_int4(const uint8_t* q, const uint16_t* scales, int fp16, uint16_t* wt, int64_t n0, int64_t n1,
                            int64_t N, int64_t K, int64_t G, int nthreads) {
-    const int64_t groups = K / G;
+    const int64_t cols = n1 - n0, groups = K / G;
+    /* 8 inputs (8 rows of wt) at a time across every panel: the stores fill those rows in order
+       (rows of wt are far apart: a column strip through many of them would keep missing L1) */
     #pragma omp parallel for schedule(static) num_threads(nthreads)
-    for (int64_t p0 = n0; p0 < n1; p0 += 16) {
-        const int64_t width = N - p0 < 16 ? N - p0 : 16;
-        const uint32_t* words = (const uint32_t*)(q + p0 * (K / 2));
-        const uint16_t* s = scales + p0 * groups;
-        uint16_t* out = w + (p0 - n0) * K;
-        int64_t i = 0;
+    for (int64_t b = 0; b < K / 8; b++) {
+        const int64_t g = b * 8 / G;
+        uint16_t* out = wt + b * 8 * cols;
+        for (int64_t p0 = n0; p0 < n1; p0 += 16) {
+            const int64_t width = N - p0 < 16 ? N - p0 : 16;
+            const uint32_t* words = (const uint32_t*)(q + p0 * (K / 2)) + b * width;
+            const uint16_t* s = scales + p0 * groups + g * width;
+            uint16_t* o = out + (p0 - n0);
 #if QUANT_SIMD
-        /* rows i, i + 1 of the panel at once: lanes 0 .. 7 take row i's word shifted right by 4s
-           (nibble s), lanes 8 .. 15 row i + 1's; vpermps maps the low 4 bits to q */
-        const __m512 table = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
-        const __m512i shifts = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
-        const uint16_t tail = width < 16 ? (uint16_t)((1u << width) - 1) : 0xffff;
-        for (; i + 2 <= width; i += 2) {
-            const __m512i pair = _mm512_setr_epi32((int)i, (int)i, (int)i, (int)i, (int)i, (int)i, (int)i, (int)i,
-                                                   (int)i + 1, (int)i + 1, (int)i + 1, (int)i + 1, (int)i + 1,
-                                                   (int)i + 1, (int)i + 1, (int)i + 1);
-            for (int64_t g = 0; g < groups; g++) {
-                const __m512 sv = _mm512_permutexvar_ps(pair, scales_f32(s + g * width, fp16, tail == 0xffff ? 0 : tail));
-                for (int64_t b = g * (G / 8); b < (g + 1) * (G / 8); b++) {
-                    const __m512i raw = _mm512_maskz_loadu_epi32(tail, words + b * width);
-                    const __m512i nib = _mm512_srlv_epi32(_mm512_permutexvar_epi32(pair, raw), shifts);
-                    const __m256i v = (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_permutexvar_ps(nib, table), sv));
-                    _mm_storeu_si128((__m128i*)(out + i * K + b * 8), _mm256_castsi256_si128(v));
-                    _mm_storeu_si128((__m128i*)(out + (i + 1) * K + b * 8), _mm256_extracti128_si256(v, 1));
-                }
+            /* lane n: row n of the panel; the word shifted right by 4t indexes q of input 8b + t */
+            const __m512 table = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+            const uint16_t tail = width < 16 ? (uint16_t)((1u << width) - 1) : 0;
+            const __mmask16 lanes = tail ? tail : 0xffff;
+            const __m512 sv = scales_f32(s, fp16, tail);
+            const __m512i raw = _mm512_maskz_loadu_epi32(lanes, words);
+            for (int t = 0; t < 8; t++) {
+                const __m512 v = _mm512_permutexvar_ps(_mm512_srli_epi32(raw, 4 * t), table);
+                _mm256_mask_storeu_epi16(o + t * cols, lanes, (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(v, sv)));
             }
-        }
-#endif
-        for (; i < width; i++)
-            for (int64_t k = 0; k < K; k += 8) {
-                const uint32_t word = words[k / 8 * width + i];
-                const float scale = scale_f32(s[k / G * width + i], fp16);
+#else
+            for (int64_t i = 0; i < width; i++) {
+                const float scale = scale_f32(s[i], fp16);
                 for (int t = 0; t < 8; t++)
-                    out[i * K + k + t] = f32_to_bf16((float)((int)((word >> (4 * t)) & 15) - 8) * scale);
+                    o[t * cols + i] = f32_to_bf16((float)((int)((words[i] >> (4 * t)) & 15) - 8) * scale);
             }
+#endif
+        }
     }
 }
