@@ -1,109 +1,101 @@
-"""hybridlm replicas under Ray Serve behind the prefix-aware router, with a real redis-server: a
-conversation's next turn goes to the replica holding its prefix, a busy holder hands it to an idle
-replica (which restores the prefix from the store), and a replica killed mid-request fails only
-that request."""
+"""The prefix-aware router (prefix mode) in front of hybridlm replicas under Ray Serve, with a real
+redis-server: a conversation's next turn goes to the replica holding its prefix — sent at once,
+before that replica's store write landed, too — and a busy holder hands it to an idle replica,
+which restores the prefix from the store."""
 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import threading
-import time
-import urllib.error
-import urllib.request
 
+import httpx
 import pytest
-import torch
 
-ray = pytest.importorskip("ray")  # in the test extra; skipped only where it cannot be installed
-from ray import serve  # noqa: E402
-
-from hybridlm.cluster import Deployment, free_port  # noqa: E402
-from hybridlm.demo import write_demo_model  # noqa: E402
-from hybridlm.models import load_model  # noqa: E402
-from hybridlm.prefix.disk import model_fingerprint  # noqa: E402
-from hybridlm.ray_serve import RayCluster, build  # noqa: E402
+from hybridlm.cluster import Deployment
+from hybridlm.models.tokenizer import Tokenizer
+from hybridlm.ray_serve import RayCluster, build, request_tokens
 
 MODEL = "hybridlm"
 
 
 @pytest.fixture(scope="module")
-def app(tmp_path_factory):
-    demo = write_demo_model(tmp_path_factory.mktemp("demo"))
-    fingerprint = model_fingerprint(load_model(demo, dtype=torch.bfloat16, device="cpu"))
-    store = Deployment(0, store=True, policy=None).start()
-    port = free_port()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        spec = RayCluster(
-            str(demo), store.store_url, fingerprint, replicas=2, serve_args=("--model-name", MODEL)
-        )
-        serve.run(build(spec), route_prefix="/")
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-        store.stop()
+def app(ray_port, demo_dir):
+    with Deployment(ray_port, "prefix", 2, str(demo_dir), serve_args=["--model-name", MODEL]) as d:
+        yield d.url
 
 
-def chat(url: str, messages: list[dict], max_tokens: int = 4, **extra) -> tuple[int, dict, dict]:
+def chat(url: str, messages: list[dict], max_tokens: int = 4, **extra) -> tuple[int, dict, httpx.Headers]:
     body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0, **extra}
-    request = urllib.request.Request(
-        f"{url}/v1/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=120) as r:
-            return r.status, json.loads(r.read()), dict(r.headers)
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"{}"), dict(e.headers)
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=180)
+    return r.status_code, r.json(), r.headers
 
 
 def cached(body: dict) -> int:
     return body["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
-class Background:
-    """A long request (thousands of tokens) running in a thread; `result` = (status, body, headers)."""
+class Busy:
+    """A long streamed request after `messages`, decoding until `stop()` closes it (the replica
+    cancels it)."""
 
-    def __init__(self, url: str):
-        self.result: tuple | None = None
-        long = [{"role": "user", "content": "Write a very long story."}]
-        self.thread = threading.Thread(
-            target=lambda: setattr(self, "result", chat(url, long, 3000, ignore_eos=True))
+    def __init__(self, url: str, messages: list[dict]):
+        messages = [*messages, {"role": "user", "content": "Now write a very long story."}]
+        body = {"model": MODEL, "messages": messages, "max_tokens": 3000, "ignore_eos": True, "stream": True}
+        self.client = httpx.Client(timeout=180)
+        self.response = self.client.send(
+            self.client.build_request("POST", f"{url}/v1/chat/completions", json=body), stream=True
         )
-        self.thread.start()
-        time.sleep(1.5)  # routed and decoding
+        assert self.response.status_code == 200
+        self.lines = self.response.iter_lines()  # kept: dropping the iterator closes the stream
+        next(self.lines)  # routed and decoding
+        self.replica = self.response.headers["x-hybridlm-replica"]
 
-    def join(self) -> tuple:
-        self.thread.join(180)
-        return self.result
+    def stop(self) -> None:
+        self.response.close()
+        self.client.close()
 
 
-def test_next_turn_goes_to_the_holder_unless_busy_and_survives_a_killed_replica(app):
+def test_next_turn_goes_to_the_holder_at_once_and_to_an_idle_replica_when_it_is_busy(app):
     messages = [{"role": "user", "content": "Describe a harbour at dawn, with boats and gulls. " * 4}]
     status, first, where = chat(app, messages)
     assert status == 200
     holder = where["x-hybridlm-replica"]
-    messages += [first["choices"][0]["message"], {"role": "user", "content": "And at noon?"}]
-    time.sleep(0.5)  # store writes are asynchronous
-    status, second, where = chat(app, messages)
-    assert status == 200 and where["x-hybridlm-replica"] == holder and cached(second) > 0
+    # Sent at once: the holder's store write may not have landed; the router remembers whom it sent
+    # the prefix to.
+    for question in ("And at noon?", "And at night?"):
+        messages += [first["choices"][0]["message"], {"role": "user", "content": question}]
+        status, second, where = chat(app, messages)
+        assert status == 200 and where["x-hybridlm-replica"] == holder and cached(second) > cached(first)
+        first = second
 
     # The holder may be busy with a long request: then the next turn goes to the idle replica,
     # which restores the conversation from the store.
-    long = Background(app)
-    messages += [second["choices"][0]["message"], {"role": "user", "content": "And at dusk?"}]
-    status, third, where = chat(app, messages)
-    long_status, _, long_where = long.join()
-    assert status == long_status == 200 and cached(third) > cached(second)
-    assert where["x-hybridlm-replica"] != long_where["x-hybridlm-replica"]
+    messages.append(second["choices"][0]["message"])
+    busy = Busy(app, messages)
+    messages.append({"role": "user", "content": "And at dusk?"})
+    try:
+        status, third, where = chat(app, messages)
+    finally:
+        busy.stop()
+    assert busy.replica == holder
+    assert status == 200 and cached(third) > cached(second)
+    assert where["x-hybridlm-replica"] != busy.replica
 
-    # Kill the replica serving a long request: that request fails (503), no later one does.
-    long = Background(app)
-    os.kill(int(long_where["x-hybridlm-pid"]), signal.SIGKILL)
-    assert long.join()[0] == 503
-    for _ in range(4):
-        status, body, where = chat(app, messages)
-        assert status == 200 and cached(body) > 0, body
+
+def test_the_router_tokenizes_prompts_as_the_server_does(demo_dir):
+    """The router's token ids equal the usage the replica reports (chat and text completions); a
+    route without an OpenAI prompt or an unreadable body gives None (the replica answers those)."""
+    tokenizer = Tokenizer.from_dir(demo_dir)
+    messages = [{"role": "user", "content": "hi there"}]
+    ids = request_tokens(tokenizer, "/v1/chat/completions", json.dumps({"messages": messages}).encode())
+    assert ids == tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    assert request_tokens(tokenizer, "/v1/completions", b'{"prompt": ["abc"]}') == tokenizer.encode(
+        "abc", add_special_tokens=True
+    )
+    assert request_tokens(tokenizer, "/v1/completions", b'{"prompt": [5, 6, 7]}') == [5, 6, 7]
+    assert request_tokens(tokenizer, "/api/chat", b'{"messages": []}') is None
+    assert request_tokens(tokenizer, "/v1/chat/completions", b"{nope") is None
+
+
+def test_an_unknown_routing_policy_is_refused():
+    with pytest.raises(ValueError, match="routing policy"):
+        build(RayCluster("m", None, None, policy="random"))

@@ -10,12 +10,12 @@ import random
 import pytest
 import torch
 
+from hybridlm.cluster import free_port
 from hybridlm.prefix.cache import CapturePlan, PrefixCache
 from hybridlm.prefix.disk import model_fingerprint
 from hybridlm.prefix.store import StoreTier
 from tests.prefix.test_cache import Oracle, scenario, serve, tokens
 from tests.prefix.test_disk import KINDS, assert_recomputed, load, warnings_of
-from tests.redis_server import free_port
 
 PLAN = CapturePlan(cadence=16, tail=(1, 4))
 
@@ -152,9 +152,9 @@ def test_damaged_or_foreign_entries_are_never_used(checkpoints, redis_server, ho
 
 
 def test_a_full_store_refuses_writes_and_answers_stay_exact(checkpoints, tmp_path, caplog):
-    from tests.redis_server import RedisServer
+    from hybridlm.cluster import StoreServer
 
-    server = RedisServer(tmp_path, maxmemory="1mb", maxmemory_policy="noeviction").start()
+    server = StoreServer(tmp_path, maxmemory="1mb", maxmemory_policy="noeviction").start()
     try:
         model = load(checkpoints, "qwen3_5_text")
         a, b = replica(model, server.url), replica(model, server.url)
