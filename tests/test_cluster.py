@@ -78,11 +78,12 @@ def test_replica_b_continues_replica_a_conversation_exactly_even_at_once(cluster
     assert "linear_attention" in layers  # Gated DeltaNet layers: the reuse restores recurrent state
     system = {"role": "system", "content": "You are a careful assistant. " * 20}
     turn1 = [system, {"role": "user", "content": "Tell me about the sea and the sky."}]
-    (first, a), (first_single, _) = chat(router, turn1, 1), chat(single, turn1, 1)
-    answer = first["choices"][0]["message"]["content"]
-    assert answer == first_single["choices"][0]["message"]["content"]
+    first_single, _ = chat(single, turn1, 1)
+    answer = first_single["choices"][0]["message"]["content"]
     turn2 = [*turn1, {"role": "assistant", "content": answer}, {"role": "user", "content": "And rivers?"}]
-    (second, b), (second_single, _) = chat(router, turn2, 12), chat(single, turn2, 12)
+    second_single, _ = chat(single, turn2, 12)
+    (first, a), (second, b) = chat(router, turn1, 1), chat(router, turn2, 12)  # back to back
+    assert first["choices"][0]["message"]["content"] == answer
     assert b["x-hybridlm-replica"] != a["x-hybridlm-replica"]
     ids1, ids2 = prompt_ids(tokenizer, turn1), prompt_ids(tokenizer, turn2)
     oracle = min(len(ids2) - 1, common_prefix(ids1, ids2))
@@ -98,15 +99,19 @@ def test_long_answers_move_between_replicas_with_a_single_servers_reuse(cluster)
     the same."""
     router, single = cluster
     messages = [{"role": "user", "content": "Count the waves on the shore, one by one."}]
-    served = []
+    turns = []  # (messages, the single server's answer), then the same turns through the router
     for turn in range(3):
-        (got, where), (want, _) = chat(router, messages, 10), chat(single, messages, 10)
+        want, _ = chat(single, messages, 10)
+        turns.append((list(messages), want))
+        messages = [*messages, want["choices"][0]["message"], {"role": "user", "content": f"And {turn}?"}]
+    served = []
+    for turn, (messages, want) in enumerate(turns):
+        got, where = chat(router, messages, 10)
         served.append(where["x-hybridlm-replica"])
         assert got["choices"][0]["message"] == want["choices"][0]["message"]
         assert got["usage"]["prompt_tokens_details"] == want["usage"]["prompt_tokens_details"]
         if turn:
             assert got["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
-        messages += [got["choices"][0]["message"], {"role": "user", "content": f"And then {turn}?"}]
     assert served[0] != served[1] != served[2]
 
 

@@ -5,14 +5,19 @@ which restores the prefix from the store."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
+import time
+from types import SimpleNamespace
 
 import httpx
 import pytest
 
-from hybridlm.cluster import Deployment
+from hybridlm.cluster import Deployment, StoreServer
 from hybridlm.models.tokenizer import Tokenizer
-from hybridlm.ray_serve import RayCluster, build, request_tokens
+from hybridlm.prefix.store import StoreTier, prefix_keys
+from hybridlm.ray_serve import PrefixAwareRouter, RayCluster, build, request_tokens
 
 MODEL = "hybridlm"
 
@@ -99,3 +104,84 @@ def test_the_router_tokenizes_prompts_as_the_server_does(demo_dir):
 def test_an_unknown_routing_policy_is_refused():
     with pytest.raises(ValueError, match="routing policy"):
         build(RayCluster("m", None, None, policy="random"))
+
+
+# ---- the router's decisions, without Ray: stand-ins for Ray's replicas and pending requests ----
+def replicas(*names: str) -> list[SimpleNamespace]:
+    return [SimpleNamespace(replica_id=SimpleNamespace(unique_id=n)) for n in names]
+
+
+def pending(rid: str, ids: list[int]) -> SimpleNamespace:
+    body = json.dumps({"prompt": ids}).encode()
+    return SimpleNamespace(args=("/v1/completions", body), metadata=SimpleNamespace(internal_request_id=rid))
+
+
+@pytest.fixture
+def router(demo_dir, tmp_path):
+    """`PrefixAwareRouter(policy)` over a real redis-server, waiting at most 1.5 s; and a writer
+    that stores an index entry for a prefix as a replica's store tier does."""
+    store = StoreServer(tmp_path).start()
+    fingerprint = "f" * 16
+
+    def make(policy: str) -> PrefixAwareRouter:
+        r = PrefixAwareRouter.__new__(PrefixAwareRouter)  # Ray's constructor needs a running Serve
+        r.initialize_state(str(demo_dir), store.url, fingerprint, policy, wait_s=1.5)
+        return r
+
+    tier = StoreTier(store.url, fingerprint)
+
+    def write(ids: list[int]) -> None:
+        keys = prefix_keys(fingerprint, ids, [0, len(ids)])
+        tier.put(keys[0], keys[len(ids)], 0, ids, {})
+        tier.flush()
+
+    yield make, write, store
+    tier.close()
+    store.stop()
+
+
+def answered(r: PrefixAwareRouter, rid: str, ids: list[int], replica: str) -> None:
+    """What Ray tells the router when request `rid` went to `replica` and was answered."""
+    asyncio.run(r.choose_replicas(replicas("a", "b"), pending(rid, ids)))
+    r.on_request_routed(pending(rid, ids), SimpleNamespace(unique_id=replica), None)
+    r.on_request_completed(SimpleNamespace(unique_id=replica), rid)
+
+
+def route(r: PrefixAwareRouter, rid: str, ids: list[int]) -> tuple[list[str], float]:
+    t0 = time.perf_counter()
+    ranks = asyncio.run(r.choose_replicas(replicas("a", "b"), pending(rid, ids)))
+    return [rank[0].replica_id.unique_id for rank in ranks], time.perf_counter() - t0
+
+
+def test_a_follow_up_sent_elsewhere_waits_for_the_answers_store_write(router):
+    """Round-robin sends turn 2 to the other replica: the router waits until the store holds turn
+    1's prompt (written 0.4 s later here), and no longer; never past its bound when the write never
+    lands."""
+    make, write, _ = router
+    r = make("round_robin")
+    turn1, turn2 = list(range(10, 60)), list(range(10, 60)) + [7, 8, 9]
+    answered(r, "1", turn1, "a")
+    threading.Timer(0.4, write, [turn1]).start()
+    order, waited = route(r, "2", turn2)
+    assert order == ["b", "a"] and 0.4 <= waited < 1.5
+    r.on_request_routed(pending("2", turn2), SimpleNamespace(unique_id="b"), None)
+    r.on_request_completed(SimpleNamespace(unique_id="b"), "2")
+    order, waited = route(r, "3", turn2 + [5, 5])  # to a; b's write of turn 2 never lands
+    assert order == ["a", "b"] and 1.5 <= waited < 3.5
+
+
+def test_prefix_mode_sends_a_follow_up_to_the_replica_that_answered_unless_it_is_busy(router):
+    make, write, store = router
+    r = make("prefix")
+    turn1, turn2 = list(range(10, 60)), list(range(10, 60)) + [7, 8, 9]
+    answered(r, "1", turn1, "b")
+    order, waited = route(r, "2", turn2)  # the store has nothing yet: the router remembers
+    assert order == ["b", "a"] and waited < 0.5
+    busy = list(range(100, 140))
+    r.on_request_routed(pending("busy", busy), SimpleNamespace(unique_id="b"), None)  # b is busy
+    threading.Timer(0.3, write, [turn1]).start()
+    order, waited = route(r, "3", turn2)  # a, once the store holds turn 1
+    assert order == ["a", "b"] and 0.3 <= waited < 1.5
+    store.stop()  # a store that is down ends the wait at once
+    order, waited = route(r, "4", turn2 + [1])
+    assert order == ["a", "b"] and waited < 1.0

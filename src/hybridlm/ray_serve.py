@@ -270,9 +270,15 @@ class HybridReplica:
             "client": ("127.0.0.1", 0),
             "server": ("replica", 80),
         }
+        def ended(task: asyncio.Task) -> None:
+            self.tasks.discard(task)
+            if not task.cancelled() and task.exception() is not None:  # the app sent its 500 first
+                log.error("replica: the app failed", exc_info=task.exception())
+            messages.put_nowait(None)
+
         task = asyncio.create_task(self.app(scope, receive, messages.put))
-        self.tasks.add(task)
-        task.add_done_callback(lambda t: (self.tasks.discard(t), messages.put_nowait(None)))
+        self.tasks.add(task)  # held until it ends (the loop keeps only weak references)
+        task.add_done_callback(ended)
         try:
             while (message := await messages.get()) is not None:
                 if message["type"] == "http.response.start":
@@ -308,12 +314,13 @@ class Frontend:
     async def forward(self, route: str, request: Request):
         path = "/" + route
         if path not in ROUTES:
-            error = {"message": f"no route {path} here (routed: {', '.join(ROUTES)})", "type": "not_found"}
+            routes = ", ".join(ROUTES)
+            error = {"message": f"no route {path} here (routed: {routes})", "type": "not_found_error"}
             return JSONResponse({"error": error}, status_code=404)
         answer = self.replica.remote(path, await request.body())
         try:
             status, headers = await answer.__anext__()
-        except RayError as e:
+        except (RayError, StopAsyncIteration) as e:
             answer.cancel()
             error = {"message": f"the replica failed: {type(e).__name__}", "type": "server_error"}
             return JSONResponse({"error": error}, status_code=503)
