@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from ray.exceptions import RayError
 from ray.serve.config import RequestRouterConfig
-from ray.serve.request_router import FIFOMixin, RequestRouter
+from ray.serve.request_router import RequestRouter
 
 from hybridlm.prefix.store import common_length
 
@@ -90,9 +90,10 @@ class Routed:
     done: float | None = None
 
 
-class PrefixAwareRouter(FIFOMixin, RequestRouter):
+class PrefixAwareRouter(RequestRouter):
     """Ranks the replicas for each request (Ray tries the ranks in order, skipping replicas at
-    `max_ongoing_requests`).
+    `max_ongoing_requests`, and gives the replica to that very request: no FIFO mixin, which would
+    hand a replica chosen for one prompt to whichever request is oldest).
 
     `prefix`: the holder of the request's longest reusable prefix first — the replica named by the
     store's `at` key of its deepest stored node, or, when the router itself sent a longer prefix
