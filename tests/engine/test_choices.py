@@ -80,7 +80,8 @@ def test_cancelling_ends_every_choice(model, chat_ids):
 
 def test_a_request_cancelled_while_queued_ends_every_choice(model, chat_ids):
     with Engine(model.lm, model.tokenizer, max_running=2) as engine:
-        busy = engine.submit(chat_ids("Go on"), SamplingParams(max_tokens=100_000, ignore_eos=True), lambda e: None)
+        long = SamplingParams(max_tokens=100_000, ignore_eos=True)
+        busy = engine.submit(chat_ids("Go on"), long, lambda e: None)
         events: list = []
         waiting = engine.submit(chat_ids("Hi"), SamplingParams(max_tokens=4, n=2), events.append)
         waiting.cancel()
@@ -90,7 +91,6 @@ def test_a_request_cancelled_while_queued_ends_every_choice(model, chat_ids):
 
 
 def test_n_beyond_max_running_is_refused(model, chat_ids):
-    with Engine(model.lm, model.tokenizer, max_running=2) as engine:
-        with pytest.raises(InvalidParameter) as info:
-            engine.submit(chat_ids("Hi"), SamplingParams(n=3), lambda e: None)
+    with Engine(model.lm, model.tokenizer, max_running=2) as engine, pytest.raises(InvalidParameter) as info:
+        engine.submit(chat_ids("Hi"), SamplingParams(n=3), lambda e: None)
     assert info.value.param == "n"
