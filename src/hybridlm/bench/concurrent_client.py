@@ -1,4 +1,4 @@
-"""The streaming HTTP clients of `hybridlm bench concurrency`, run as their own process.
+"""The streaming HTTP clients of `hybridlm bench concurrency` and `bench serve`, run as their own process.
 
 Standard library only (no torch import), so the clients never hold the server's GIL. Each line on
 stdin is one round: `{"port": P, "bodies": [...], "late": [...]}` — every body of `bodies` is sent at

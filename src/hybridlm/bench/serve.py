@@ -1,7 +1,7 @@
 """`hybridlm bench serve`: time to first token and decode tokens/s through HTTP vs the engine alone.
 
 The server runs in this process (uvicorn on a thread, a free loopback port) over the same engine
-the direct runs use; the HTTP client is a separate process (`http_client.py`), as real clients are.
+the direct runs use; the HTTP client is a separate process (`concurrent_client.py`), as real clients are.
 Each run sends the same greedy request (a fixed random prompt of token ids, `ignore_eos`, a fixed
 number of tokens); engine and HTTP runs alternate so drift in machine load hits both sides alike.
 Both sides time the same events: TTFT is request start → first text received; decode tokens/s is
@@ -57,12 +57,14 @@ def run_engine(engine: Engine, ids: list[int], params: SamplingParams) -> Run:
 
 
 class HTTPClient:
-    """`http_client.py` in its own process; `run` sends one streaming request and returns its timings."""
+    """`concurrent_client.py` in its own process; `run` sends one streaming request and returns its
+    timings: time to first text, and (completion tokens − 1) ÷ (first text → final usage chunk)."""
 
     def __init__(self, port: int):
-        script = Path(__file__).with_name("http_client.py")
+        script = Path(__file__).with_name("concurrent_client.py")
+        self._port = port
         self._proc = subprocess.Popen(
-            [sys.executable, str(script), str(port)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+            [sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
         )
 
     def run(self, ids: list[int], max_tokens: int) -> Run:
@@ -75,12 +77,16 @@ class HTTPClient:
             "stream": True,
             "stream_options": {"include_usage": True},
         }
-        self._proc.stdin.write(json.dumps(body) + "\n")
+        self._proc.stdin.write(json.dumps({"port": self._port, "bodies": [body]}) + "\n")
         self._proc.stdin.flush()
         line = self._proc.stdout.readline()
         if not line:
             raise RuntimeError(f"the benchmark client exited with {self._proc.wait()}")
-        return Run(**json.loads(line))
+        stream = json.loads(line)["streams"][0]
+        if stream["tokens"] < 2:
+            raise RuntimeError("the stream carried fewer than two tokens")
+        first, done = stream["first"], stream["done"]
+        return Run((first - stream["start"]) * 1e3, (stream["tokens"] - 1) / (done - first))
 
     def close(self) -> None:
         self._proc.stdin.close()
