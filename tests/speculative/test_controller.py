@@ -138,3 +138,15 @@ def test_a_batch_does_not_change_a_seeded_requests_depths():
     state = controller.start(reproducible=True)
     crowded = [controller.depth(state, 8, StepShare(30, 30.0)) for _ in range(5)]
     assert alone == crowded
+
+
+def test_a_step_is_never_estimated_above_a_faster_step_with_more_rows():
+    """On a shared machine noise only adds time: a busy moment measured at 2 rows must not make 2
+    rows look dearer than 4."""
+    controller = DepthController()
+    for _ in range(3):
+        controller.observe_step(1, 1.0)
+        controller.observe_step(2, 5.0)
+        controller.observe_step(4, 1.3)
+    assert controller.step_seconds(2) == 1.3
+    assert controller.step_seconds(1) == 1.0

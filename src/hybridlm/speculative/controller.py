@@ -146,14 +146,18 @@ class DepthController:
         """Estimated seconds of a step of `rows` rows (≥ 1), in the units of the measurements (1.0
         for one row before any). A count measured fewer than `TRUSTED_SAMPLES` times is estimated
         at most at what the other counts predict, so a spike there is tried again (and replaced by
-        a faster sample) rather than avoided for good."""
+        a faster sample) rather than avoided for good. Never more than a step with more rows was
+        measured at: more rows cannot take less time, so a higher figure is noise."""
         known = {r: m.value for r, m in self._steps.items()}
         if rows in known:
             others = {r: v for r, v in known.items() if r != rows}
             if self._steps[rows].count >= TRUSTED_SAMPLES or len(others) < 2:
-                return known[rows]
-            return min(known[rows], self._predict(others, rows))
-        return self._predict(known, rows)
+                estimate = known[rows]
+            else:
+                estimate = min(known[rows], self._predict(others, rows))
+        else:
+            estimate = self._predict(known, rows)
+        return min([estimate, *(v for r, v in known.items() if r > rows)])
 
     def _predict(self, known: dict[int, float], n: int) -> float:
         """Seconds of a step of n rows from the measured counts `known`: linear between the nearest
