@@ -82,7 +82,7 @@ class BatchingMachine(RuleBasedStateMachine):
         shared = self.prompts[base % len(self.prompts)][:cut] if self.prompts and base is not None else []
         self._submit(shared, extra, sampled, speculative, max_tokens)
 
-    @rule(kinds=st.lists(st.booleans(), min_size=2, max_size=4), max_tokens=st.integers(4, 20))
+    @rule(kinds=st.lists(st.booleans(), min_size=2, max_size=3), max_tokens=st.integers(4, 10))
     def burst(self, kinds, max_tokens):
         """Speculative requests (greedy / sampled per `kinds`) arriving together: their verify rows
         share steps."""
