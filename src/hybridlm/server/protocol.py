@@ -403,7 +403,9 @@ class Responder:
         reason = event.finish_reason
         index = event.index
         if self.plan is not None:
-            stream = self.streams.setdefault(index, self.plan.stream())
+            if index not in self.streams:
+                self.streams[index] = self.plan.stream()
+            stream = self.streams[index]
             delta = self._parsed_delta(stream, event)
             if not delta and not event.finished and not logprobs:
                 return None
