@@ -2,11 +2,13 @@
 
 Loop: `_schedule` admits requests from a bounded FIFO queue into the running set, in arrival order,
 up to `max_running` and while their memory fits; `_step` advances every running sequence by one
-unit of work — all plain decode rows in one packed forward (each weight read once for all of them,
-each row computed as it is alone), speculative rounds, and prefill chunks under the per-step token
-budget; `_emit` hands each request its event and retires the finished ones, whose slots go back at
-once. A request's output never depends on what else runs: its prefill is cut into the chunks it gets
-alone, and its decode rows go through the per-token kernels, which compute each row independently.
+unit of work — every decode row and every speculative sequence's verify rows in one packed forward
+(each weight read once for all of them, each row computed as it is alone; each sequence then
+commits its own accepted prefix), and prefill chunks under the per-step token budget; `_emit` hands
+each request its event and retires the finished ones, whose slots go back at once. A request of n
+choices prefills once and forks n sequences. A request's output never depends on what else runs:
+its prefill is cut into the chunks it gets alone, and its decode and verify rows go through the
+per-token kernels, which compute each row independently.
 
 Callers talk to the engine through `Request` handles: events arrive through a sink (called on the
 engine thread, so it must be quick); `stream`/`generate` wrap that for blocking code and
