@@ -893,6 +893,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     cc.add_argument("--repeats", type=int, default=1, help="rounds per client count (default 1)")
     cc.add_argument("--seed", type=int, default=0, help="prompt seed (default 0)")
+    cc.add_argument(
+        "--speculative-clients",
+        type=int,
+        default=None,
+        help="with --speculative: only this many of each round's clients decode speculatively, the "
+        'others send "speculative": false (default: all)',
+    )
     add_bench_args(cc)
     cc.set_defaults(func=cmd_bench_concurrency, max_queue=256)
 
