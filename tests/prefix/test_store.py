@@ -77,7 +77,9 @@ def test_a_store_down_at_start_costs_reuse_only(checkpoints, caplog):
             assert session.cached == best
             assert_recomputed(model, prompt, first)
     assert pc.store.stats.errors >= 1 and pc.store.stats.dropped_writes > 0
-    assert len([w for w in warnings_of(caplog) if "prefix store" in w]) == 1  # rate-limited
+    # Rate-limited: one warning that the store is down, however many calls failed (a loaded machine
+    # may add one of another kind: the write queue filling while the writer waits on the dead store).
+    assert len([w for w in warnings_of(caplog) if "reuse from the store is off" in w]) == 1
 
 
 def test_a_store_stopped_mid_run_costs_reuse_only(checkpoints, redis_server, caplog):
