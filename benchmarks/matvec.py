@@ -2,10 +2,11 @@
 
     PYTHONPATH=src python benchmarks/matvec.py [--dtype bf16|fp32] [--rows 1,2,4,9] [--methods ...]
 
-GB/s = bytes of weight (in the method's storage format) / seconds per call. Each method cycles
-through enough copies of the weight (``--pool-mb``) that they fall out of the last-level cache,
-as the weights of a decode step do; methods take turns, and each one's 20th-percentile call counts,
-which tolerates a noisy machine.
+GB/s = bytes of weight (in the method's storage format) / seconds per call, and in brackets its share
+of the machine's read bandwidth (`bench.limits`). Each method cycles through enough copies of the
+weight (``--pool-mb``) that they fall out of the last-level cache, as the weights of a decode step
+do, placed as the model loader places weights (huge pages); methods take turns, and each one's
+20th-percentile call counts, which tolerates a noisy machine.
 
 Methods: ``linear`` (hybridlm.ops.linear), ``F.linear``, ``mv`` (torch.mv, 1 row),
 ``mkldnn`` (oneDNN with a weight prepacked for the row count), ``compile`` (torch.compile of
@@ -13,7 +14,8 @@ an fp32 multiply + sum, dynamic shapes), ``int8pack`` (torch._weight_int8pack_mm
 weights with per-row scales, so half the bytes of bf16), ``int8`` / ``int4`` (hybridlm's
 ``QuantLinear`` kernels; bytes = quantized weight + scales).
 
-    PYTHONPATH=src python benchmarks/matvec.py --methods linear,int8,int4 --rows 1,4,9,17
+    PYTHONPATH=src python benchmarks/matvec.py --methods linear,int8,int4 --rows 1,2,4,8,17 \
+        --shapes 248320x1024,3584x1024,1024x3584
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from hybridlm.bench.limits import memory_bandwidth_gbs
+from hybridlm.models.loader import placed
 from hybridlm.ops.linear import fast_path_available, linear
 from hybridlm.ops.quant import QuantLinear
 
@@ -71,8 +75,15 @@ def _methods(names: list[str], x: torch.Tensor, weights: list[torch.Tensor]) -> 
             q = QuantLinear.from_linear(layer, name)
             size = q.qweight.numel() * q.qweight.element_size() + q.scales.numel() * q.scales.element_size()
             pool = max(1, len(weights) * nbytes // size)  # as many bytes as the bf16 copies
-            out[name] = (lambda layer: layer(x), [q] + [copy.deepcopy(q) for _ in range(pool - 1)], size)
+            out[name] = (lambda layer: layer(x), [_placed(copy.deepcopy(q)) for _ in range(pool)], size)
     return out
+
+
+def _placed(q: QuantLinear) -> QuantLinear:
+    for name in ("qweight", "scales"):
+        t = getattr(q, name)
+        setattr(q, name, placed(t, t.device, t.dtype))
+    return q
 
 
 def _compare(methods: dict[str, tuple], seconds: float) -> dict[str, float]:
@@ -108,16 +119,18 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     names = args.methods.split(",")
-    print(f"{args.dtype}, {args.threads} threads, fast path available: {fast_path_available()}")
+    bandwidth = memory_bandwidth_gbs()
+    print(f"{args.dtype}, {args.threads} threads, fast path available: {fast_path_available()}, "
+          f"read bandwidth {bandwidth:.1f} GB/s")
     for shape in args.shapes.split(","):
         n, k = map(int, shape.split("x"))
         copies = max(1, (args.pool_mb << 20) // (n * k * dtype.itemsize))
         base = torch.randn(n, k).to(dtype)
-        weights = [base.clone() for _ in range(copies)]
+        weights = [placed(base, base.device, dtype) for _ in range(copies)]
         for rows in map(int, args.rows.split(",")):
             x = torch.randn(rows, k).to(dtype)
             gbs = _compare(_methods(names, x, weights), args.seconds)
-            cells = "  ".join(f"{name} {v:5.1f}" for name, v in gbs.items())
+            cells = "  ".join(f"{name} {v:5.1f} ({v / bandwidth:4.0%})" for name, v in gbs.items())
             print(f"{n:>6}x{k:<5} rows {rows:>2}:  {cells}", flush=True)
 
 

@@ -143,6 +143,12 @@ def test_a_broken_quantized_checkpoint_is_refused_clearly(checkpoints, tmp_path)
         load_model(out, torch.bfloat16, "cpu")
     with pytest.raises(ValueError, match="already quantized"):
         quantize_model(load_model(src, torch.bfloat16, "cpu", quantize="int8"), "int4")
+    # a checkpoint of an older int4 layout is refused, not misread
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"]["layout"] = "qweight/scales per linear layer; int4 in 64-weight blocks"
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="quantize the source checkpoint again"):
+        load_model(out, torch.bfloat16, "cpu")
 
 
 def test_cli_quantize_writes_a_checkpoint_that_generates_as_quantize_on_load(checkpoints, tmp_path, capsys):

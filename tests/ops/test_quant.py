@@ -5,9 +5,11 @@ from torch import nn
 import hybridlm.ops.quant as quant_mod
 from hybridlm.ops.linear import rowwise
 from hybridlm.ops.native import FEW_TOKENS, NativeKernel
-from hybridlm.ops.quant import QuantLinear, pack_int4, quantize_, unpack_int4
+from hybridlm.ops.quant import QuantLinear, from_panels, pack_int4, quantize_, to_panels, unpack_int4
 
 SCHEMES = ["int8", "int4"]
+# int4 with fp16 scales, as a GPTQ checkpoint loads
+KERNEL_SCHEMES = [*SCHEMES, "int4-fp16"]
 needs_kernels = pytest.mark.skipif(
     quant_mod.INT8_KERNEL.get() is None or quant_mod.INT4_KERNEL.get() is None,
     reason="the quantized kernels could not be built",
@@ -28,6 +30,13 @@ def _x(m: int, k: int, seed: int = 1) -> torch.Tensor:
     return torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
 
 
+def _quantized(layer: nn.Linear, scheme: str) -> QuantLinear:
+    q = QuantLinear.from_linear(layer, scheme.removesuffix("-fp16"))
+    if scheme.endswith("-fp16"):
+        q.scales = q.scales.half()
+    return q
+
+
 def _reference(q: QuantLinear, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """float64 x @ W^T + b with W the exact dequantized weight, and the bound of |x| @ |W|^T."""
     w = q.dequantized(torch.float64)
@@ -36,12 +45,13 @@ def _reference(q: QuantLinear, x: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 
 
 @needs_kernels
-@pytest.mark.parametrize("scheme", SCHEMES)
-@pytest.mark.parametrize("rows", [1, 3, FEW_TOKENS])
-@pytest.mark.parametrize("shape", [(37, 128), (8, 192)])  # out % 4 != 0 and == 0; several groups
+@pytest.mark.parametrize("scheme", KERNEL_SCHEMES)
+@pytest.mark.parametrize("rows", [1, 3, 6, FEW_TOKENS])
+# out: several int4 panels and a short last one, one short panel, whole panels; several groups
+@pytest.mark.parametrize("shape", [(37, 128), (8, 192), (64, 256)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_decode_kernel_equals_float64_reference_rounded_once(scheme, rows, shape, bias):
-    q = QuantLinear.from_linear(_layer(*shape, bias), scheme)
+    q = _quantized(_layer(*shape, bias), scheme)
     x = _x(rows, shape[1])
     y = q(x)
     assert y.dtype == torch.bfloat16 and y.shape == (rows, shape[0])
@@ -61,10 +71,13 @@ def test_prefill_dequantizes_to_bf16_and_matches_reference(scheme):
 
 
 @needs_kernels
-@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("scheme", KERNEL_SCHEMES)
 def test_the_c_dequantization_equals_torch_bit_for_bit(scheme):
-    q = QuantLinear.from_linear(_layer(21, 320, False), scheme)
-    assert torch.equal(q._dequantized_slab(3, 17), q.dequantized(torch.bfloat16)[3:17])
+    q = _quantized(_layer(37, 320, False), scheme)
+    whole = q.dequantized(torch.bfloat16)
+    for n0, n1 in [(0, 37), (16, 32), (16, 37), (32, 37)] + ([(3, 17)] if scheme == "int8" else []):
+        assert torch.equal(q._dequantized_slab(n0, n1), whole[n0:n1])
+    assert torch.equal(q.dequantized(torch.bfloat16, slice(3, 20)), whole[3:20])
 
 
 def test_prefill_in_slabs_equals_one_slab(monkeypatch):
@@ -76,9 +89,9 @@ def test_prefill_in_slabs_equals_one_slab(monkeypatch):
 
 
 @needs_kernels
-@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("scheme", KERNEL_SCHEMES)
 def test_a_row_is_computed_as_it_would_be_alone(scheme):
-    q = QuantLinear.from_linear(_layer(45, 256, True), scheme)
+    q = _quantized(_layer(45, 256, True), scheme)
     x = _x(FEW_TOKENS, 256)
     alone = torch.cat([q(x[i : i + 1]) for i in range(FEW_TOKENS)])
     for m in range(2, FEW_TOKENS + 1):
@@ -125,19 +138,37 @@ def test_int4_groups_use_all_16_levels_within_half_a_step_but_at_the_clamped_end
     assert q.scales.dtype == torch.bfloat16
     levels = unpack_int4(q.qweight)
     assert levels.min() == -8  # every group's largest-magnitude weight maps to -8
-    step = q.scales.float().abs().repeat_interleave(group, dim=1)
+    step = from_panels(q.scales).float().abs().repeat_interleave(group, dim=1)
     err = (q.dequantized(torch.float32) - layer.weight.detach().float()).abs()
     inner = (levels > -8) & (levels < 7)  # the ends also take what rounding past them clamps
     assert torch.all(err[inner] <= step[inner] / 2 + 1e-6) and torch.all(err <= step + 1e-6)
 
 
-def test_int4_packing_round_trips_and_follows_the_documented_layout():
-    q = torch.randint(-8, 8, (3, 128), dtype=torch.int8)
+@pytest.mark.parametrize("rows", [16, 37, 5])
+def test_int4_packing_round_trips_and_follows_the_documented_layout(rows):
+    q = torch.randint(-8, 8, (rows, 64), generator=torch.Generator().manual_seed(rows), dtype=torch.int8)
     packed = pack_int4(q)
-    assert packed.shape == (3, 64) and packed.dtype == torch.uint8
+    assert packed.shape == (rows, 32) and packed.dtype == torch.uint8
     assert torch.equal(unpack_int4(packed), q)
-    # block 1, byte 5: weight 64 + 5 (low nibble) and 64 + 37 (high nibble), each + 8
-    assert int(packed[2, 32 + 5]) == (int(q[2, 69]) + 8) | ((int(q[2, 101]) + 8) << 4)
+    flat = packed.reshape(-1)
+    for n, k in [(0, 0), (3, 13), (rows - 1, 63), (rows // 2, 38)]:
+        # panel p = n // 16 starts at byte 16p * 32; 16 rows wide, the last one N % 16 if short;
+        # 32-bit little-endian words (k-block, row), weight 8b + s in bits 4s .. 4s + 3
+        p = n // 16
+        width = min(16, rows - 16 * p)
+        byte = 16 * p * 32 + 4 * (k // 8 * width + n % 16) + k % 8 // 2
+        assert (int(flat[byte]) >> (4 * (k % 2))) & 15 == int(q[n, k]) + 8
+
+
+@pytest.mark.parametrize("rows", [16, 48, 37, 5])
+def test_panel_order_stores_each_slab_of_16_rows_column_by_column(rows):
+    t = torch.arange(rows * 3).view(rows, 3)
+    panels = to_panels(t)
+    assert panels.shape == t.shape and torch.equal(from_panels(panels), t)
+    flat = panels.reshape(-1)
+    for p in range(-(-rows // 16)):
+        slab = t[16 * p : 16 * p + 16]
+        assert torch.equal(flat[16 * p * 3 : 16 * p * 3 + slab.numel()], slab.T.reshape(-1))
 
 
 def test_quantize_replaces_every_linear_but_skipped_ones():
@@ -177,3 +208,45 @@ def test_converting_the_module_keeps_the_scales_dtype(scheme):
         assert q.scales.dtype is dtype
         q.bias.data = q.bias.data.to(torch.bfloat16)
         assert torch.equal(q(x), before)
+
+
+@pytest.mark.parametrize("scheme", KERNEL_SCHEMES)
+def test_the_portable_kernels_built_without_avx512_agree_with_the_reference(scheme, tmp_path):
+    """quant.c's scalar fallback (a CPU without AVX512-BF16) computes the same layer."""
+    import ctypes
+    import subprocess
+
+    from hybridlm.ops.native import CFLAGS, CSRC, compiler
+
+    try:
+        cc = compiler()
+    except RuntimeError:
+        pytest.skip("no C compiler")
+    flags = [f for f in CFLAGS if not f.startswith("-march")] + ["-march=x86-64"]
+    lib_path = tmp_path / "portable.so"
+    proc = subprocess.run([cc, *flags, f"-I{CSRC}", str(CSRC / "quant.c"), "-o", str(lib_path)],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot build for x86-64: {proc.stderr[-200:]}")
+    lib = ctypes.CDLL(str(lib_path))
+    for kernel in (quant_mod.INT8_KERNEL, quant_mod.INT4_KERNEL, quant_mod.DEQUANT_INT4):
+        getattr(lib, kernel.symbol).argtypes = kernel.argtypes
+    q = _quantized(_layer(37, 256, True), scheme)
+    for rows in (1, 5):
+        x = _x(rows, 256)
+        y = torch.empty(rows, 37, dtype=torch.bfloat16)
+        w, s, b = q.qweight.data_ptr(), q.scales.data_ptr(), q.bias.data_ptr()
+        if q.bits == 8:
+            lib.hybridlm_linear_int8(x.data_ptr(), rows, w, s, b, y.data_ptr(), 37, 256, 1)
+        else:
+            fp16 = int(q.scales.dtype is torch.float16)
+            group = q.group_size
+            lib.hybridlm_linear_int4(x.data_ptr(), rows, w, s, fp16, b, y.data_ptr(), 37, 256, group, 1)
+        ref, size = _reference(q, x)
+        assert torch.all((y.double() - ref).abs() <= ref.abs() * 2**-8 + size * 1e-5)
+    if q.bits == 4:  # the prefill dequantization, transposed: [in, rows]
+        wt = torch.empty(256, 21, dtype=torch.bfloat16)
+        fp16 = int(q.scales.dtype is torch.float16)
+        w, s = q.qweight.data_ptr(), q.scales.data_ptr()
+        lib.hybridlm_dequant_int4(w, s, fp16, wt.data_ptr(), 16, 37, 37, 256, q.group_size, 1)
+        assert torch.equal(wt.T, q.dequantized(torch.bfloat16)[16:37])

@@ -136,8 +136,9 @@ def load_model(
     """Build the family named by config.json and load its weights (bf16 unless `dtype` says).
 
     quantize: "int8" / "int4" quantizes every linear layer on load (`models.quantized`); a
-    checkpoint written by `save_quantized` loads quantized as it was saved (`quantize` must then be
-    None or its scheme)."""
+    checkpoint written by `save_quantized` loads quantized as it was saved, a GPTQ checkpoint as
+    int4 (`models.gptq`); `quantize` must then be None or that scheme."""
+    from hybridlm.models.gptq import is_gptq, load_gptq
     from hybridlm.models.quantized import is_quantized, load_quantized, quantize_model
 
     root = Path(path)
@@ -150,6 +151,10 @@ def load_model(
         if quantize not in (None, saved):
             raise CheckpointError(f"{root}: already quantized as {saved}; cannot load it as {quantize}")
         return load_quantized(cls, root, raw, dtype, device)
+    if is_gptq(raw):
+        if quantize not in (None, "int4"):
+            raise CheckpointError(f"{root}: a GPTQ int4 checkpoint; cannot load it as {quantize}")
+        return load_gptq(cls, root, raw, dtype, device)
     model = load_weights(cls, root, raw, dtype, device)
     return model if quantize is None else quantize_model(model, quantize)
 

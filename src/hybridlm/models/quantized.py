@@ -16,12 +16,14 @@ A quantized checkpoint is a directory written by `save_quantized`:
 
   - int8: ``qweight`` int8 [out, in], symmetric per output channel; ``scales`` float32 [out];
     ``W = qweight * scales[:, None]``.
-  - int4: ``qweight`` uint8 [out, in / 2], two weights a byte: per block of 64 weights of a row, byte
-    i holds weight i + 8 in its low nibble and weight i + 32 + 8 in its high nibble (symmetric, q in
-    [-8, 7], no zero points); ``scales`` bf16 [out, in / G], one per group of G weights of a row;
-    ``W[n, k] = q[n, k] * scales[n, k // G]``. Unlike GPTQ's ``qweight`` (int32 words packing eight
-    rows of the input dimension, transposed, with ``qzeros`` and ``g_idx``) the packing follows the
-    CPU kernel's reads: one row is contiguous and a 32-byte load yields 64 consecutive weights.
+  - int4: ``qweight`` uint8 [out, in / 2] holding little-endian 32-bit words, each eight weights
+    of a row, ``q[n, 8b + s] + 8`` in bits 4s .. 4s + 3 (symmetric, q in [-8, 7], no zero points:
+    GPTQ's word format with its symmetric zero point 8); the words in panels of 16 rows: rows
+    16p .. 16p + 15 of the array hold panel p, word (b, n) at b * 16 + n (the last panel holds the
+    out % 16 rows left, word (b, n) at b * (out % 16) + n). ``scales`` bf16 [out, in / G], one per
+    group of G weights of a row, panel-ordered the same way (`ops.quant.to_panels`):
+    ``W[n, k] = q[n, k] * scale[n, k // G]``. GPTQ stores the words transposed ([in / 8, out]); the
+    panels follow the CPU kernel's reads, where a 64-byte load is eight weights of 16 rows.
 
   Everything else (embedding table, norms, convolutions, MoE expert stacks) keeps the model's dtype;
   the source's ``mtp.*`` tensors are copied unchanged, so a multi-token-prediction head still loads.
@@ -56,7 +58,7 @@ from hybridlm.ops.quant import INT4_GROUP, QUANTIZATIONS, QuantLinear, quantize_
 __all__ = ["QUANT_METHOD", "is_quantized", "load_quantized", "quantize_model", "save_quantized"]
 
 QUANT_METHOD = "hybridlm"
-LAYOUT = "qweight/scales per linear layer; int4 packed in 64-weight blocks (docs: models/quantized.py)"
+LAYOUT = "qweight/scales per linear layer; int4 in 16-row panels of 8-weight words (models/quantized.py)"
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -123,13 +125,14 @@ def _empty_layer(layer: nn.Linear, q: torch.Tensor, scales: torch.Tensor | None,
     """The `QuantLinear` (on the current device, meta when loading) that tensors `q` / `scales`
     describe for `layer`; CheckpointError naming `what` when they fit no layout."""
     bits = {torch.int8: 8, torch.uint8: 4}.get(q.dtype)
-    want = {8: (torch.float32, 1), 4: (torch.bfloat16, 2)}.get(bits)
-    if want is None or scales is None or (scales.dtype, scales.dim()) != want:
-        raise CheckpointError(f"{what} is not an int8 / int4 layer of this layout "
-                              "(qweight int8 + float32 scales [out], or uint8 + bf16 scales [out, groups])")
+    want = {8: ((torch.float32,), 1), 4: ((torch.bfloat16, torch.float16), 2)}.get(bits)
+    if want is None or scales is None or scales.dtype not in want[0] or scales.dim() != want[1]:
+        raise CheckpointError(f"{what} is not an int8 / int4 layer of this layout (qweight int8 + float32 "
+                              "scales [out], or uint8 + bf16 / fp16 scales [out, groups])")
     group = layer.in_features // max(1, scales.shape[-1]) if bits == 4 else layer.in_features
     try:
-        return QuantLinear(layer.in_features, layer.out_features, bits, group, layer.bias is not None)
+        return QuantLinear(layer.in_features, layer.out_features, bits, group, layer.bias is not None,
+                           scale_dtype=scales.dtype if bits == 4 else torch.bfloat16)
     except ValueError as e:
         raise CheckpointError(f"{what}: {e}") from None
 
@@ -137,6 +140,10 @@ def _empty_layer(layer: nn.Linear, q: torch.Tensor, scales: torch.Tensor | None,
 def load_quantized(cls, root: Path, raw: dict, dtype: torch.dtype | None = None, device=None) -> CausalLM:
     """Build `cls` from a quantized checkpoint directory `root` (config.json contents `raw`), all or
     nothing: every tensor is checked (name, shape, dtype of the quantized ones)."""
+    layout = raw["quantization_config"].get("layout")
+    if layout != LAYOUT:
+        raise CheckpointError(f"{root / 'config.json'}: quantized layout {layout!r} is not this version's "
+                              f"({LAYOUT!r}); quantize the source checkpoint again")
     config = cls.text_config(raw)
     dtype = dtype or torch.bfloat16
     device = torch.device(device) if device is not None else default_device()

@@ -6,7 +6,9 @@ bf16 weight's bytes, int4 (with one bf16 scale per group of 64) reads 4.25 bits 
 - int8: symmetric per output channel, ``scale[n] = max|w[n]| / 127``, ``q = round(w / scale)``.
 - int4: symmetric per group of ``group_size`` weights of a row, with the sign of the group's
   largest-magnitude weight mapped to -8 (as llama.cpp's Q4_0 does, so all 16 levels are used):
-  ``scale = w_max / -8`` rounded to bf16, ``q = clamp(round(w / scale), -8, 7)``.
+  ``scale = w_max / -8`` rounded to bf16, ``q = clamp(round(w / scale), -8, 7)``. Stored in panels of
+  16 rows (`pack_int4`), the order the decode kernel reads; GPTQ checkpoints load into the same
+  layout with their fp16 scales (`models.gptq`).
 
 Few-row bf16 CPU inputs (decode, speculative verify: up to ``FEW_TOKENS`` rows) run the C kernels of
 ``csrc/quant.c``, which read the packed weights directly and compute each row as they would alone.
@@ -25,7 +27,9 @@ from torch import nn
 from hybridlm.ops.linear import in_row_groups, rowwise_applies
 from hybridlm.ops.native import FEW_TOKENS, NativeKernel
 
-__all__ = ["QUANTIZATIONS", "QuantLinear", "pack_int4", "quantize_", "unpack_int4"]
+__all__ = [
+    "QUANTIZATIONS", "QuantLinear", "from_panels", "pack_int4", "quantize_", "to_panels", "unpack_int4",
+]
 
 QUANTIZATIONS = ("int8", "int4")
 # int4 group size, measured: the decode kernel runs 32 / 64 / 128 equally fast (20.0 / 20.9 / 20.6 G
@@ -33,8 +37,10 @@ QUANTIZATIONS = ("int8", "int4")
 # they read 4.5 / 4.25 / 4.125 bits a weight. On the random Qwen3.5-0.8B preset 32 left KL 0.144
 # (2048 positions) and 64 left 0.164 (4096): 64 takes 6% fewer bytes for a 14% larger KL.
 INT4_GROUP = 64
-# int4 kernels work on blocks of 64 weights (32 bytes: weight i low nibble, weight i + 32 high).
-INT4_BLOCK = 64
+# int4 weights are stored in panels of this many rows (one output per lane of a 16-float vector),
+# eight weights of a row to a 32-bit word.
+PANEL = 16
+NIBBLES = 8
 # Prefill dequantizes this many weight elements at a time (a bf16 slab of 16 MiB): the LM head of a
 # 248k vocabulary never exists as a whole bf16 copy.
 SLAB_ELEMENTS = 1 << 23
@@ -45,7 +51,8 @@ INT8_KERNEL = NativeKernel(
     fallback="dequantized F.linear",
 )
 INT4_KERNEL = NativeKernel(
-    "quant", "quant.c", "hybridlm_linear_int4", [_p, _i64, _p, _p, _p, _p, _i64, _i64, _i64, _int], _int,
+    "quant", "quant.c", "hybridlm_linear_int4",
+    [_p, _i64, _p, _p, _int, _p, _p, _i64, _i64, _i64, _int], _int,
     fallback="dequantized F.linear",
 )
 DEQUANT_INT8 = NativeKernel(
@@ -53,43 +60,70 @@ DEQUANT_INT8 = NativeKernel(
     fallback="torch dequantization",
 )
 DEQUANT_INT4 = NativeKernel(
-    "quant", "quant.c", "hybridlm_dequant_int4", [_p, _p, _p, _i64, _i64, _i64, _i64, _int], None,
+    "quant", "quant.c", "hybridlm_dequant_int4", [_p, _p, _int, _p, _i64, _i64, _i64, _i64, _i64, _int], None,
     fallback="torch dequantization",
 )
 
 
+def to_panels(t: torch.Tensor) -> torch.Tensor:
+    """t [N, C] -> [N, C] in panel order: each slab of `PANEL` rows (the last one the N % 16 rows left)
+    stored column by column, so rows 16p .. 16p + 15 of the result hold slab p transposed."""
+    n, c = t.shape
+    full = n // PANEL * PANEL
+    parts = [t[:full].reshape(-1, PANEL, c).transpose(1, 2).reshape(-1)]
+    if full < n:
+        parts.append(t[full:].T.reshape(-1))
+    return torch.cat(parts).view(n, c)
+
+
+def from_panels(t: torch.Tensor) -> torch.Tensor:
+    """Inverse of `to_panels`."""
+    n, c = t.shape
+    full = n // PANEL * PANEL
+    flat = t.reshape(-1)
+    parts = [flat[: full * c].view(-1, c, PANEL).transpose(1, 2).reshape(full, c)]
+    if full < n:
+        parts.append(flat[full * c :].view(c, n - full).T)
+    return torch.cat(parts)
+
+
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """q [N, K] int8 in [-8, 7], K % 64 == 0 -> [N, K / 2] uint8: per block of 64 weights, byte i
-    holds ``q[i] + 8`` in its low nibble and ``q[i + 32] + 8`` in its high nibble."""
+    """q [N, K] int8 in [-8, 7], K % 8 == 0 -> [N, K / 2] uint8: 32-bit words (n, b) holding
+    ``q[n, 8b + s] + 8`` in bits 4s .. 4s + 3 (little-endian), in panel order (`to_panels`)."""
     n, k = q.shape
-    u = (q.to(torch.int16) + 8).to(torch.uint8).view(n, k // INT4_BLOCK, 2, INT4_BLOCK // 2)
-    return (u[:, :, 0] | (u[:, :, 1] << 4)).reshape(n, k // 2)
+    u = (q.to(torch.int32) + 8).view(n, k // NIBBLES, NIBBLES)
+    shifts = torch.arange(0, 4 * NIBBLES, 4, dtype=torch.int32, device=q.device)
+    words = (u << shifts).sum(dim=2, dtype=torch.int32)  # disjoint bits: the sum is an OR
+    return to_panels(words).contiguous().view(torch.uint8).view(n, k // 2)
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """Inverse of `pack_int4`: [N, K / 2] uint8 -> [N, K] int8 in [-8, 7]."""
     n, half = packed.shape
-    b = packed.view(n, half // (INT4_BLOCK // 2), 1, INT4_BLOCK // 2)
-    u = torch.cat([b & 15, b >> 4], dim=2)
-    return (u.to(torch.int8) - 8).reshape(n, half * 2)
+    words = from_panels(packed.contiguous().view(torch.int32).view(n, half // 4))
+    shifts = torch.arange(0, 4 * NIBBLES, 4, dtype=torch.int32, device=packed.device)
+    return (((words[..., None] >> shifts) & 15) - 8).to(torch.int8).view(n, half * 2)
 
 
 class QuantLinear(nn.Module):
     """A weight-only quantized ``Linear`` (made by `from_linear`, or built empty to load into).
 
     Buffers: ``qweight`` — int8 [out, in] (bits 8) or packed int4 uint8 [out, in / 2] (bits 4, see
-    `pack_int4`); ``scales`` — float32 [out] (int8) or bf16 [out, in / group_size] (int4); ``bias``
-    [out] in the activation dtype, or None.
+    `pack_int4`); ``scales`` — float32 [out] (int8) or [out, in / group_size] in panel order
+    (`to_panels`; int4), bf16 (ours) or fp16 (a GPTQ checkpoint's, `scale_dtype`); ``bias`` [out] in
+    the activation dtype, or None.
     """
 
     def __init__(self, in_features: int, out_features: int, bits: int, group_size: int, bias: bool,
-                 device=None, dtype=torch.bfloat16):
+                 device=None, dtype=torch.bfloat16, scale_dtype: torch.dtype = torch.bfloat16):
         super().__init__()
         if bits not in (4, 8):
             raise ValueError(f"bits must be 4 or 8, got {bits}")
-        if bits == 4 and (group_size % 32 or in_features % group_size or in_features % INT4_BLOCK):
-            raise ValueError(f"int4 needs in_features ({in_features}) divisible by 64 and by group_size "
-                             f"({group_size}, a multiple of 32)")
+        if bits == 4 and (group_size <= 0 or group_size % NIBBLES or in_features % group_size):
+            raise ValueError(f"int4 needs in_features ({in_features}) divisible by group_size ({group_size}, "
+                             f"a multiple of {NIBBLES})")
+        if bits == 4 and scale_dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"int4 scales are bf16 or fp16, not {scale_dtype}")
         self.in_features, self.out_features = in_features, out_features
         self.bits, self.group_size = bits, group_size if bits == 4 else in_features
         if bits == 8:
@@ -97,7 +131,7 @@ class QuantLinear(nn.Module):
             s = torch.ones(out_features, dtype=torch.float32, device=device)
         else:
             q = torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device)
-            s = torch.ones(out_features, in_features // group_size, dtype=torch.bfloat16, device=device)
+            s = torch.ones(out_features, in_features // group_size, dtype=scale_dtype, device=device)
         self.register_buffer("qweight", q)
         self.register_buffer("scales", s)
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False) \
@@ -124,7 +158,7 @@ class QuantLinear(nn.Module):
             scale = torch.where(scale == 0, torch.ones_like(scale), scale)
             q = torch.round(g / scale.float()[..., None]).clamp_(-8, 7).to(torch.int8).view(n, k)
             out.qweight.copy_(pack_int4(q))
-            out.scales.copy_(scale)
+            out.scales.copy_(to_panels(scale))
         if layer.bias is not None:
             out.bias.copy_(layer.bias.detach())
         return out
@@ -132,15 +166,19 @@ class QuantLinear(nn.Module):
     def dequantized(self, dtype: torch.dtype = torch.bfloat16, rows: slice | None = None) -> torch.Tensor:
         """The weight [out, in] (or `rows` of it) as `dtype`, by torch ops (any device)."""
         rows = rows or slice(None)
-        q, s = self.qweight[rows], self.scales[rows]
         if self.bits == 8:
+            q, s = self.qweight[rows], self.scales[rows]
             return (q.float() * s[:, None]).to(dtype)
-        w = unpack_int4(q).float().view(q.shape[0], -1, self.group_size) * s.float()[..., None]
-        return w.view(q.shape[0], self.in_features).to(dtype)
+        n0, n1, _ = rows.indices(self.out_features)
+        # whole panels: rows [p0, p1) of the packed arrays hold panels p0 / 16 .. (p1 - 1) / 16
+        p0, p1 = n0 // PANEL * PANEL, min(-(-n1 // PANEL) * PANEL, self.out_features)
+        q, s = unpack_int4(self.qweight[p0:p1]), from_panels(self.scales[p0:p1])
+        w = q.float().view(p1 - p0, -1, self.group_size) * s.float()[..., None]
+        return w.view(p1 - p0, self.in_features)[n0 - p0 : n1 - p0].to(dtype)
 
     def _apply(self, fn, recurse: bool = True):
         # `module.to(dtype)` must not convert the scales: the kernels read them by pointer as float32
-        # (int8) or bf16 (int4), and a round trip through another dtype would lose bits. Only their
+        # (int8) or bf16 / fp16 (int4), and a round trip through another dtype would lose bits. Only their
         # device follows.
         scales = self.scales
         super()._apply(fn, recurse)
@@ -148,16 +186,21 @@ class QuantLinear(nn.Module):
         return self
 
     def _dequantized_slab(self, n0: int, n1: int) -> torch.Tensor:
-        """Rows [n0, n1) as bf16, by the C kernel when it is built."""
+        """Rows [n0, n1) as bf16 [n1 - n0, in] (int4: n0 a multiple of `PANEL`, n1 too or the last
+        row), by the C kernel when it is built; int4 as the transposed view of an [in, n1 - n0]
+        tensor (the panels' order; F.linear reads either)."""
         fn = (DEQUANT_INT8 if self.bits == 8 else DEQUANT_INT4).get() if self.qweight.is_cpu else None
         if fn is None:
             return self.dequantized(torch.bfloat16, slice(n0, n1))
-        w = torch.empty(n1 - n0, self.in_features, dtype=torch.bfloat16)
-        args = [self.qweight.data_ptr(), self.scales.data_ptr(), w.data_ptr(), n0, n1, self.in_features]
-        if self.bits == 4:
-            args.append(self.group_size)
-        fn(*args, torch.get_num_threads())
-        return w
+        q, s, threads = self.qweight.data_ptr(), self.scales.data_ptr(), torch.get_num_threads()
+        if self.bits == 8:
+            w = torch.empty(n1 - n0, self.in_features, dtype=torch.bfloat16)
+            fn(q, s, w.data_ptr(), n0, n1, self.in_features, threads)
+            return w
+        wt = torch.empty(self.in_features, n1 - n0, dtype=torch.bfloat16)
+        fp16 = int(self.scales.dtype is torch.float16)
+        fn(q, s, fp16, wt.data_ptr(), n0, n1, self.out_features, self.in_features, self.group_size, threads)
+        return wt.T
 
     def _kernel_applies(self, x: torch.Tensor) -> bool:
         """bf16 CPU input of 1..FEW_TOKENS rows, CPU weights, not traced by torch.compile.
@@ -191,14 +234,15 @@ class QuantLinear(nn.Module):
         if self.bits == 8:
             fn(x.data_ptr(), rows, q, s, bias, y.data_ptr(), n, k, threads)
         else:
-            fn(x.data_ptr(), rows, q, s, bias, y.data_ptr(), n, k, self.group_size, threads)
+            fp16 = int(self.scales.dtype is torch.float16)
+            fn(x.data_ptr(), rows, q, s, fp16, bias, y.data_ptr(), n, k, self.group_size, threads)
         return y
 
     def _forward_dequantized(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.to(x.dtype)
         if not (x.is_cpu and x.dtype is torch.bfloat16):
             return F.linear(x, self.dequantized(x.dtype), bias)
-        step = max(1, SLAB_ELEMENTS // self.in_features)
+        step = max(PANEL, SLAB_ELEMENTS // self.in_features // PANEL * PANEL)
         if step >= self.out_features:
             return F.linear(x, self._dequantized_slab(0, self.out_features), bias)
         parts = []
@@ -218,14 +262,14 @@ def quantize_(
 ) -> nn.Module:
     """Replace every ``nn.Linear`` inside `module` (but those named in `skip`, module paths) by its
     `QuantLinear` (scheme "int8" or "int4"), in place; returns `module`, or the new layer if `module`
-    itself is a Linear. int4 layers whose input width is not a multiple of 64 and of `group_size`
-    get int8 instead."""
+    itself is a Linear. int4 layers whose input width is not a multiple of `group_size` get int8
+    instead."""
     if scheme not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {scheme!r}; known: {', '.join(QUANTIZATIONS)}")
 
     def convert(layer: nn.Linear) -> QuantLinear:
         k = layer.in_features
-        fits = k % INT4_BLOCK == 0 and k % group_size == 0
+        fits = k % group_size == 0
         return QuantLinear.from_linear(layer, scheme if scheme == "int8" or fits else "int8", group_size)
 
     if isinstance(module, nn.Linear):

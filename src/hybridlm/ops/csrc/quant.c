@@ -1,18 +1,23 @@
 /* Weight-only quantized linear layers: y[m, n] = bf16(scale(n) · Σ_k x[m, k] q[n, k] + bias[n]), with
    x, bias, y bf16 and float32 accumulation.
 
-   int8: q [N, K] int8, one float32 scale per output row (symmetric, q in [-127, 127]).
-   int4: q packed two per byte, [N, K / 2] uint8, in blocks of 64 weights held in 32 bytes: byte i of
-   a block holds weight i in its low nibble and weight i + 32 in its high nibble, each stored as
-   q + 8 (q in [-8, 7]); one bf16 scale per group of G consecutive weights of a row (G a multiple of
-   32 dividing K), [N, K / G]. Within a group the products are summed unscaled, then the group's
-   sum is multiplied by its scale and added to the row's sum.
+   int8: q [N, K] int8, one float32 scale per output row (symmetric, q in [-127, 127]). Weight rows
+   are processed in blocks of RB rows against up to MC8 input rows at a time (each weight byte is
+   read from memory once for every input row), widened to float32 16 at a time.
 
-   Like linear.c, weight rows are processed in blocks of RB rows against up to MC input rows at a
-   time (each weight byte is read from memory once for every input row), and the sum of one output
-   is computed by the same instructions in the same order whatever rows share the call, so a row's
-   result never depends on the rows beside it. Prefill-sized inputs instead dequantize the weight to
-   bf16 (hybridlm_dequant_*) and use the bf16 GEMM. */
+   int4: q [N, K / 2] bytes in panels of 16 weight rows (the last panel holds the N % 16 rows left,
+   if any): panel p is rows 16p .. 16p + 15 of the array, read as 32-bit words (b, n) for k-block
+   b = 0 .. K / 8 - 1 and row n of the panel, word (b, n) holding q[n, 8b + s] + 8 in bits
+   4s .. 4s + 3 (q in [-8, 7], so the nibble is unsigned; GPTQ packs its words the same way). One
+   scale per group of G consecutive weights of a row (G a multiple of 8 dividing K), bf16 or fp16,
+   [N, K / G] laid out by panels the same way: panel p's scales are (group, row) ordered. Within a
+   group the products are summed unscaled, then the group's sum is multiplied by its scale and
+   added to the row's sum. A lane of a vector holds one output row, so no sum needs a horizontal
+   reduction, and a 64-byte load is 8 weights of each of 16 rows.
+
+   The sum of one output is computed by the same instructions in the same order whatever rows share
+   the call, so a row's result never depends on the rows beside it. Prefill-sized inputs instead
+   dequantize the weight to bf16 (hybridlm_dequant_*) and use the bf16 GEMM. */
 #include "bf16.h"
 #include <stdlib.h>
 
@@ -20,11 +25,21 @@
 #define PREFETCH_BYTES 16384
 #define MIN_PARALLEL_BYTES 65536 /* below this a second thread costs more to wake than it saves */
 
+/* A bf16 (fp16 == 0) or IEEE fp16 scale as float32. */
+static inline float scale_f32(uint16_t v, int fp16) {
+    if (!fp16) return bf16_to_f32(v);
+    const int e = (v >> 10) & 31, m = v & 1023;  /* IEEE half: 1 sign, 5 exponent, 10 fraction bits */
+    const float mag = e == 0 ? m * 0x1p-24f : e == 31 ? (m ? __builtin_nanf("") : __builtin_inff())
+                                                      : (1024 + m) * __builtin_ldexpf(1.f, e - 25);
+    return v & 0x8000 ? -mag : mag;
+}
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #define QUANT_SIMD 1
 #include <immintrin.h>
 #define MC8 4 /* input rows per pass of the int8 tile */
-#define MC4 2 /* of the int4 tile: it also holds a per-group sum per (row, input) */
+#define MP4 2 /* most panels of an int4 tile (2 for one input row, else 1) */
+#define MC4 4 /* its most input rows */
 
 /* int8: weights widened to float32 16 at a time and multiplied with x in float32. */
 static inline __attribute__((always_inline)) void tile_i8(const float* xf, int64_t K, int mc, const int8_t* w,
@@ -55,64 +70,60 @@ static inline __attribute__((always_inline)) void tile_i8(const float* xf, int64
     }
 }
 
-/* int4: a nibble indexes a 16-entry table of the bf16 values q = nibble - 8 (vpermw), and vdpbf16ps
-   multiplies 32 of them with 32 bf16 inputs, exactly (products of bf16 fit a float32). K % 64 == 0. */
-static inline __attribute__((always_inline)) void tile_i4(const uint16_t* x, int64_t K, int mc, const uint8_t* w,
-                                                          const uint16_t* scales, int64_t G, int rb,
-                                                          float out[RB][MC4]) {
-    /* bf16 of -8 .. 7 in words 0 .. 15, repeated in words 16 .. 31: vpermw reads 5 index bits, so a
-       zero-extended byte indexes its low nibble without masking off bit 4 */
-#define Q4_VALUES (short)0x40e0, (short)0x40c0, (short)0x40a0, (short)0x4080, (short)0x4040, (short)0x4000, \
-    (short)0x3f80, (short)0x0000, (short)0xbf80, (short)0xc000, (short)0xc040, (short)0xc080, (short)0xc0a0, \
-    (short)0xc0c0, (short)0xc0e0, (short)0xc100
-    const __m512i table = _mm512_set_epi16(Q4_VALUES, Q4_VALUES);
-#undef Q4_VALUES
-    const int64_t groups = K / G;
-    /* the scales as float32: a broadcast from memory costs a load, not a shuffle */
-    float sf[RB * groups];
-    for (int64_t i = 0; i < rb * groups; i++) sf[i] = bf16_to_f32(scales[i]);
-    __m512 acc[RB][MC4], part[RB][MC4];
-    /* group g ends: its sums, times its scale, go into the row's sums */
-#define FLUSH(g)                                                                      \
-    for (int r = 0; r < rb; r++) {                                                    \
-        const __m512 s = _mm512_set1_ps(sf[r * groups + (g)]);             \
-        for (int c = 0; c < mc; c++) {                                                \
-            acc[r][c] = _mm512_fmadd_ps(s, part[r][c], acc[r][c]);                    \
-            part[r][c] = _mm512_setzero_ps();                                         \
-        }                                                                             \
-    }
-    for (int r = 0; r < rb; r++) for (int c = 0; c < mc; c++) {
-        acc[r][c] = _mm512_setzero_ps();
-        part[r][c] = _mm512_setzero_ps();
-    }
-    int64_t g = 0, group_end = G;  /* the current group and where it ends (no division in the loop) */
-    for (int64_t k = 0; k < K; k += 64) {
-        __m512bh lo[RB], hi[RB];
-        for (int r = 0; r < rb; r++) {
-            const uint8_t* p = w + r * (K / 2) + k / 2;
-            __builtin_prefetch(p + PREFETCH_BYTES / 2, 0, 1);
-            const __m512i z = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)p));
-            lo[r] = (__m512bh)_mm512_permutexvar_epi16(z, table);
-            hi[r] = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(z, 4), table);
+/* The 16 scales of a panel's group as float32: bf16 is the upper half of a float32, fp16 converts
+   exactly. `tail` (lanes of a short last panel, 0 for a full one) masks the load. */
+static inline __m512 scales_f32(const uint16_t* s, int fp16, uint16_t tail) {
+    const __m256i v = tail ? _mm256_maskz_loadu_epi16(tail, s) : _mm256_loadu_si256((const __m256i*)s);
+    return fp16 ? _mm512_cvtph_ps(v) : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+/* int4: acc [np][mc][16] = the sums of np panels' rows against mc input rows (xf, float32). vpermps
+   maps the low 4 bits of each 32-bit word (the word shifted right by 4s: nibble s) to q as float32,
+   giving lane n the weight q[n, 8b + s], multiplied with x[8b + s] broadcast, exactly (a bf16 times
+   a 4-bit integer fits a float32): float32 FMAs run two a cycle where vdpbf16ps runs one every two.
+   Each output sums s mod 4 = 0, 1, 2, 3 apart (four dependency chains), adds the four in that
+   order at the group's end and scales. */
+static inline __attribute__((always_inline)) void tile_i4(const float* xf, int64_t K, int mc, const uint32_t* w,
+                                                          const uint16_t* scales, int fp16, int64_t G, int np,
+                                                          uint16_t tail, float* acc) {
+    const __m512 table = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+    const int64_t groups = K / G, blocks = G / 8, width = tail ? __builtin_popcount(tail) : 16;
+    for (int i = 0; i < np * mc * 16; i++) acc[i] = 0.f;
+    for (int64_t g = 0; g < groups; g++) {
+        __m512 part[MP4][MC4][4];
+        for (int p = 0; p < np; p++) for (int c = 0; c < mc; c++) for (int j = 0; j < 4; j++)
+            part[p][c][j] = _mm512_setzero_ps();
+        for (int64_t b = g * blocks; b < (g + 1) * blocks; b++) {
+            __m512 wt[MP4][8];
+            for (int p = 0; p < np; p++) {
+                const uint32_t* src = w + p * 16 * (K / 8) + b * width;
+                __builtin_prefetch((const char*)src + PREFETCH_BYTES, 0, 1);
+                const __m512i raw = tail ? _mm512_maskz_loadu_epi32(tail, src) : _mm512_loadu_si512(src);
+                wt[p][0] = _mm512_permutexvar_ps(raw, table);
+                for (int s = 1; s < 8; s++) wt[p][s] = _mm512_permutexvar_ps(_mm512_srli_epi32(raw, 4 * s), table);
+            }
+            for (int c = 0; c < mc; c++)
+                for (int s = 0; s < 8; s++) {
+                    const __m512 xv = _mm512_set1_ps(xf[c * K + b * 8 + s]);
+                    for (int p = 0; p < np; p++) part[p][c][s % 4] = _mm512_fmadd_ps(wt[p][s], xv, part[p][c][s % 4]);
+                }
         }
-        for (int c = 0; c < mc; c++) {
-            const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + c * K + k);
-            for (int r = 0; r < rb; r++) part[r][c] = _mm512_dpbf16_ps(part[r][c], lo[r], xv);
+        for (int p = 0; p < np; p++) {
+            const __m512 sv = scales_f32(scales + p * 16 * groups + g * width, fp16, tail);
+            for (int c = 0; c < mc; c++) {
+                const __m512 sum = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(part[p][c][0], part[p][c][1]),
+                                                               part[p][c][2]), part[p][c][3]);
+                float* a = acc + (p * mc + c) * 16;
+                _mm512_storeu_ps(a, _mm512_fmadd_ps(sv, sum, _mm512_loadu_ps(a)));
+            }
         }
-        if (k + 32 == group_end) { FLUSH(g); g++; group_end += G; }
-        for (int c = 0; c < mc; c++) {
-            const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + c * K + k + 32);
-            for (int r = 0; r < rb; r++) part[r][c] = _mm512_dpbf16_ps(part[r][c], hi[r], xv);
-        }
-        if (k + 64 == group_end) { FLUSH(g); g++; group_end += G; }
     }
-    for (int r = 0; r < rb; r++) for (int c = 0; c < mc; c++) out[r][c] = _mm512_reduce_add_ps(acc[r][c]);
-#undef FLUSH
 }
 #else
 #define QUANT_SIMD 0
 #define MC8 4
-#define MC4 2
+#define MP4 2
+#define MC4 4
 /* Portable tiles: one output at a time, the same order for any rows beside it. */
 static void tile_i8(const float* xf, int64_t K, int mc, const int8_t* w, int rb, float out[RB][MC8]) {
     for (int r = 0; r < rb; r++) for (int c = 0; c < mc; c++) {
@@ -121,20 +132,20 @@ static void tile_i8(const float* xf, int64_t K, int mc, const int8_t* w, int rb,
         out[r][c] = s;
     }
 }
-static void tile_i4(const uint16_t* x, int64_t K, int mc, const uint8_t* w, const uint16_t* scales, int64_t G,
-                    int rb, float out[RB][MC4]) {
-    for (int r = 0; r < rb; r++) for (int c = 0; c < mc; c++) {
+static void tile_i4(const float* xf, int64_t K, int mc, const uint32_t* w, const uint16_t* scales, int fp16,
+                    int64_t G, int np, uint16_t tail, float* acc) {
+    const int width = tail ? __builtin_popcount(tail) : 16;
+    for (int p = 0; p < np; p++) for (int c = 0; c < mc; c++) for (int n = 0; n < width; n++) {
         float s = 0.f;
         for (int64_t g0 = 0; g0 < K; g0 += G) {
             float part = 0.f;
             for (int64_t k = g0; k < g0 + G; k++) {
-                const uint8_t b = w[r * (K / 2) + k / 64 * 32 + k % 32];
-                const int q = (k % 64 < 32 ? (b & 15) : (b >> 4)) - 8;
-                part += (float)q * bf16_to_f32(x[c * K + k]);
+                const uint32_t word = w[p * 16 * (K / 8) + k / 8 * width + n];
+                part += (float)((int)((word >> (4 * (k % 8))) & 15) - 8) * xf[c * K + k];
             }
-            s += bf16_to_f32(scales[r * (K / G) + g0 / G]) * part;
+            s += scale_f32(scales[p * 16 * (K / G) + g0 / G * width + n], fp16) * part;
         }
-        out[r][c] = s;
+        acc[(p * mc + c) * 16 + n] = s;
     }
 }
 #endif
@@ -155,9 +166,14 @@ int hybridlm_linear_int8(const uint16_t* x, int64_t M, const int8_t* q, const fl
             const int mc = M - m0 < MC8 ? (int)(M - m0) : MC8;
             float out[RB][MC8];
             /* constant (rb, mc) per call site, so the tile's loops unroll into registers */
-            if (rb == RB && mc == MC8) tile_i8(xf + m0 * K, K, MC8, q + n0 * K, RB, out);
-            else if (rb == RB && mc == 1) tile_i8(xf + m0 * K, K, 1, q + n0 * K, RB, out);
-            else tile_i8(xf + m0 * K, K, mc, q + n0 * K, rb, out);
+#define TILE8(cols) tile_i8(xf + m0 * K, K, cols, q + n0 * K, RB, out)
+            if (rb == RB) {
+                switch (mc) { case 1: TILE8(1); break; case 2: TILE8(2); break; case 3: TILE8(3); break;
+                              default: TILE8(MC8); }
+            } else {
+                tile_i8(xf + m0 * K, K, mc, q + n0 * K, rb, out);
+            }
+#undef TILE8
             for (int r = 0; r < rb; r++) {
                 const float bv = bias ? bf16_to_f32(bias[n0 + r]) : 0.f;
                 for (int c = 0; c < mc; c++)
@@ -169,29 +185,46 @@ int hybridlm_linear_int8(const uint16_t* x, int64_t M, const int8_t* q, const fl
     return 0;
 }
 
-/* x [M, K] bf16, q [N, K / 2] packed int4 (see above), scales [N, K / G] bf16, bias [N] bf16 or NULL,
-   y [M, N] bf16; K % 64 == 0 and K % G == 0, G % 32 == 0. */
-int hybridlm_linear_int4(const uint16_t* x, int64_t M, const uint8_t* q, const uint16_t* scales,
+/* x [M, K] bf16, q [N, K / 2] packed int4 (see above), scales [N, K / G] bf16 (fp16 != 0: fp16),
+   bias [N] bf16 or NULL, y [M, N] bf16; K % G == 0, G % 8 == 0. Returns 0 or -1 (out of memory). */
+int hybridlm_linear_int4(const uint16_t* x, int64_t M, const uint8_t* q, const uint16_t* scales, int fp16,
                          const uint16_t* bias, uint16_t* y, int64_t N, int64_t K, int64_t G, int nthreads) {
-    const int64_t nblocks = (N + RB - 1) / RB;
+    float* xf = malloc((size_t)(M * K) * sizeof(float));
+    if (!xf) return -1;
+    for (int64_t i = 0; i < M * K; i++) xf[i] = bf16_to_f32(x[i]);
+    /* one input row: tiles of 2 panels (more independent sums to hide the FMA latency); more rows: one
+       panel against up to MC4 rows at a time (the sums fill the registers) */
+    const int tile_panels = M == 1 ? MP4 : 1;
+    const int64_t full = N / 16, ntiles = (full + tile_panels - 1) / tile_panels + (N % 16 != 0);
     #pragma omp parallel for schedule(static) num_threads(nthreads) if (N * K / 2 >= MIN_PARALLEL_BYTES)
-    for (int64_t b = 0; b < nblocks; b++) {
-        const int64_t n0 = b * RB;
-        const int rb = N - n0 < RB ? (int)(N - n0) : RB;
+    for (int64_t b = 0; b < ntiles; b++) {
+        const int64_t p0 = b * tile_panels;
+        const int np = p0 >= full ? 1 : (full - p0 < tile_panels ? (int)(full - p0) : tile_panels);
+        const uint16_t tail = p0 >= full ? (uint16_t)((1u << (N % 16)) - 1) : 0;
+        const int64_t n0 = p0 * 16, width = tail ? N % 16 : 16;
+        const uint32_t* w = (const uint32_t*)(q + n0 * (K / 2));
+        const uint16_t* s = scales + n0 * (K / G);
         for (int64_t m0 = 0; m0 < M; m0 += MC4) {
             const int mc = M - m0 < MC4 ? (int)(M - m0) : MC4;
-            float out[RB][MC4];
-            const uint8_t* w = q + n0 * (K / 2);
-            const uint16_t* s = scales + n0 * (K / G);
-            if (rb == RB && mc == MC4) tile_i4(x + m0 * K, K, MC4, w, s, G, RB, out);
-            else if (rb == RB && mc == 1) tile_i4(x + m0 * K, K, 1, w, s, G, RB, out);
-            else tile_i4(x + m0 * K, K, mc, w, s, G, rb, out);
-            for (int r = 0; r < rb; r++) {
-                const float bv = bias ? bf16_to_f32(bias[n0 + r]) : 0.f;
-                for (int c = 0; c < mc; c++) y[(m0 + c) * N + n0 + r] = f32_to_bf16(out[r][c] + bv);
-            }
+            float acc[MP4 * MC4 * 16];
+            const float* xm = xf + m0 * K;
+            /* constant (np, mc) per call site, so the tile's loops unroll into registers */
+#define TILE4(panels, cols) tile_i4(xm, K, cols, w, s, fp16, G, panels, 0, acc)
+            if (tail) tile_i4(xm, K, mc, w, s, fp16, G, 1, tail, acc);
+            else if (np == MP4) TILE4(MP4, 1);
+            else switch (mc) { case 1: TILE4(1, 1); break; case 2: TILE4(1, 2); break;
+                               case 3: TILE4(1, 3); break; default: TILE4(1, MC4); }
+#undef TILE4
+            for (int p = 0; p < np; p++)
+                for (int c = 0; c < mc; c++)
+                    for (int64_t i = 0; i < width; i++) {
+                        const int64_t n = n0 + p * 16 + i;
+                        const float bv = bias ? bf16_to_f32(bias[n]) : 0.f;
+                        y[(m0 + c) * N + n] = f32_to_bf16(acc[(p * mc + c) * 16 + i] + bv);
+                    }
         }
     }
+    free(xf);
     return 0;
 }
 
@@ -216,30 +249,40 @@ void hybridlm_dequant_int8(const int8_t* q, const float* scale, uint16_t* w, int
     }
 }
 
-void hybridlm_dequant_int4(const uint8_t* q, const uint16_t* scales, uint16_t* w, int64_t n0, int64_t n1,
-                           int64_t K, int64_t G, int nthreads) {
+/* Rows [n0, n1) of an int4 weight [N, K] as bf16, transposed: wt [K, n1 - n0] (column n - n0 is row
+   n, so a panel's 16 rows are 16 consecutive values), each q · scale rounded to bf16 once (to nearest
+   even, as f32_to_bf16 and vcvtneps2bf16 both round; q · scale is exact in float32); n0 is a
+   multiple of 16 and n1 one too or N (whole panels). */
+void hybridlm_dequant_int4(const uint8_t* q, const uint16_t* scales, int fp16, uint16_t* wt, int64_t n0, int64_t n1,
+                           int64_t N, int64_t K, int64_t G, int nthreads) {
+    const int64_t cols = n1 - n0, groups = K / G;
+    /* 8 inputs (8 rows of wt) at a time across every panel: the stores fill those rows in order
+       (rows of wt are far apart: a column strip through many of them would keep missing L1) */
     #pragma omp parallel for schedule(static) num_threads(nthreads)
-    for (int64_t n = n0; n < n1; n++) {
-        const uint8_t* row = q + n * (K / 2);
-        uint16_t* out = w + (n - n0) * K;
-        for (int64_t k0 = 0; k0 < K; k0 += 64) {
-            const float s0 = bf16_to_f32(scales[n * (K / G) + k0 / G]);
-            const float s1 = bf16_to_f32(scales[n * (K / G) + (k0 + 32) / G]);
+    for (int64_t b = 0; b < K / 8; b++) {
+        const int64_t g = b * 8 / G;
+        uint16_t* out = wt + b * 8 * cols;
+        for (int64_t p0 = n0; p0 < n1; p0 += 16) {
+            const int64_t width = N - p0 < 16 ? N - p0 : 16;
+            const uint32_t* words = (const uint32_t*)(q + p0 * (K / 2)) + b * width;
+            const uint16_t* s = scales + p0 * groups + g * width;
+            uint16_t* o = out + (p0 - n0);
 #if QUANT_SIMD
-            /* q - 8 as float32 for nibbles 0 .. 15 (vpermps reads 4 index bits: no masking) */
+            /* lane n: row n of the panel; the word shifted right by 4t indexes q of input 8b + t */
             const __m512 table = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
-            for (int i = 0; i < 32; i += 16) {
-                const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(row + k0 / 2 + i)));
-                const __m512 lo = _mm512_permutexvar_ps(b, table);
-                const __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table);
-                _mm256_storeu_si256((__m256i*)(out + k0 + i), (__m256i)_mm512_cvtneps_pbh(lo * s0));
-                _mm256_storeu_si256((__m256i*)(out + k0 + 32 + i), (__m256i)_mm512_cvtneps_pbh(hi * s1));
+            const uint16_t tail = width < 16 ? (uint16_t)((1u << width) - 1) : 0;
+            const __mmask16 lanes = tail ? tail : 0xffff;
+            const __m512 sv = scales_f32(s, fp16, tail);
+            const __m512i raw = _mm512_maskz_loadu_epi32(lanes, words);
+            for (int t = 0; t < 8; t++) {
+                const __m512 v = _mm512_permutexvar_ps(_mm512_srli_epi32(raw, 4 * t), table);
+                _mm256_mask_storeu_epi16(o + t * cols, lanes, (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(v, sv)));
             }
 #else
-            for (int i = 0; i < 32; i++) {
-                const uint8_t b = row[k0 / 2 + i];
-                out[k0 + i] = f32_to_bf16((float)((b & 15) - 8) * s0);
-                out[k0 + 32 + i] = f32_to_bf16((float)((b >> 4) - 8) * s1);
+            for (int64_t i = 0; i < width; i++) {
+                const float scale = scale_f32(s[i], fp16);
+                for (int t = 0; t < 8; t++)
+                    o[t * cols + i] = f32_to_bf16((float)((int)((words[i] >> (4 * t)) & 15) - 8) * scale);
             }
 #endif
         }
