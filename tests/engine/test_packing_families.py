@@ -45,9 +45,9 @@ def test_concurrent_requests_of_every_family_equal_their_solo_runs(checkpoints, 
     packed_rows: list[int] = []
     real = engine_module.forward_packed
 
-    def spy(model, segments, caches, rows):
+    def spy(model, segments, *rest):
         packed_rows.append(len(segments))
-        return real(model, segments, caches, rows)
+        return real(model, segments, *rest)
 
     monkeypatch.setattr(engine_module, "forward_packed", spy)
     with engine(4) as together:
@@ -57,20 +57,29 @@ def test_concurrent_requests_of_every_family_equal_their_solo_runs(checkpoints, 
 
 
 @pytest.mark.parametrize("name", ["qwen3_next", "lfm2", "gemma3_text", "gemma4_text"])
-def test_random_arrivals_and_cancellations_leave_every_family_exact(checkpoints, name):
+def test_random_arrivals_and_cancellations_leave_every_family_exact(checkpoints, name, monkeypatch):
     """The stateful batching property (random arrivals, cancellations, speculative / plain requests;
-    each output equals its solo run in bf16) on the families beside the demo model's."""
+    each output equals its solo run in bf16) on the families beside the demo model's; verify rows
+    (multi-row segments) share packed forwards."""
+    real = engine_module.forward_packed
+
+    def watched(model, segments, *rest):
+        BatchingMachine._note("verify_segments", sum(s.query_lens[0] > 1 for s in segments))
+        return real(model, segments, *rest)
+
+    monkeypatch.setattr(engine_module, "forward_packed", watched)
     BatchingMachine.lm = load_model(checkpoints(name).path, device="cpu")
     BatchingMachine.with_prefix = False
     BatchingMachine.solo_cache = {}
     BatchingMachine.seen = {}
     run = BatchingMachine.TestCase
     run.settings = settings(
-        max_examples=4,
-        stateful_step_count=12,
+        max_examples=8,
+        stateful_step_count=14,
         deadline=None,
         suppress_health_check=list(HealthCheck),
         derandomize=True,
     )
     run().runTest()
-    assert BatchingMachine.seen["running"] > 1 and BatchingMachine.seen["cancelled"]
+    seen = BatchingMachine.seen
+    assert seen["running"] > 1 and seen["cancelled"] and seen["verify_segments"] >= 1, seen
