@@ -22,7 +22,7 @@ from hybridlm.prefix.cache import CapturePlan, PrefixCache, capture_costs
 from hybridlm.prefix.disk import DiskTier, model_fingerprint
 from hybridlm.prefix.trie import Trie
 
-BUDGET = 4 << 20  # a prompt's restore points fit (compacted); five at once do not
+BUDGET = 16 << 20  # as the issue measured: one prompt's restore points fit, five at once do not
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +53,7 @@ def test_ram_budget_holds_at_every_instant_of_concurrent_requests(
     model = hybridlm.load_model(demo_dir, dtype=dtype)
     lm = model.lm
     tier = DiskTier(tmp_path, 1 << 30, model_fingerprint(lm)) if disk else None
-    prefix = PrefixCache(lm, ram_budget=BUDGET, plan=CapturePlan(cadence=128, tail=(1, 8)), disk=tier)
+    prefix = PrefixCache(lm, ram_budget=BUDGET, plan=CapturePlan(), disk=tier)
     # Every instant the figure can grow at: a layer's write inside a forward (captures), an edge
     # attached to the trie (a session's close), a node loaded from disk (a restore).
     checked = []

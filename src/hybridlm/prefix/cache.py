@@ -190,6 +190,8 @@ class Session:
         if self.offset <= len(self.prompt):  # prefill: its forwards take captures
             self.owner.keep_budget()
         if hidden is None or len(hidden) != len(ids):
+            if self.hidden_log is not None and self.stored > self.cached:
+                self.owner._drop_hidden(self)  # all of the session's nodes have them, or none
             self.hidden_log = None
         elif self.hidden_log is not None:
             self.hidden_log.append(hidden)
@@ -382,16 +384,18 @@ class PrefixCache:
         spans = [b - a for a, b in zip([start, *ends], ends, strict=False)]
         return sum(self.costs[i].bytes(n, lean) for i in self.layers for n in spans)
 
-    def make_room(self, nbytes: int, keep: frozenset[int] = frozenset(), delete: bool = True) -> bool:
+    def make_room(
+        self, nbytes: int, keep: frozenset[int] = frozenset(), delete: bool = True, captures: bool = True
+    ) -> bool:
         """Evict (as `enforce_budget` does, never the nodes with ids in `keep`; without `delete` only
-        by demoting and compacting) and, if need be, compact the running prefills' captures, until
-        `nbytes` more fit the RAM budget beside what is counted and reserved; False when they cannot
-        (then nothing more should be added)."""
+        by demoting and compacting) and, if need be and `captures`, compact the running prefills'
+        captures, until `nbytes` more fit the RAM budget beside what is counted and reserved; False
+        when they cannot (then nothing more should be added)."""
         with self.lock:
             if self._budget() is None:
                 return True
             self.enforce_budget(reserve=nbytes, keep=keep, delete=delete)
-            if self._over(nbytes):
+            if captures and self._over(nbytes):
                 for slot in self.slots:
                     for i in self.layers:
                         slot.caches[i].compact_captures()
@@ -406,23 +410,23 @@ class PrefixCache:
         return counted + self.reserved_bytes + extra > self._limit()
 
     def _before_forward(self, slot: Slot, tokens: int) -> None:
-        """A forward of `tokens` tokens reaches `slot`'s caches: the captures the previous forwards
-        took go to the trie (`_store_captures`), then room is made for those this one will take —
-        whole if demoting and compacting other nodes makes it (their scan-input logs are worth less
-        than any node), else in their compact form (`LayerCache.lean`: no scan-input log, so they
+        """A forward of `tokens` tokens reaches `slot`'s caches: room is made for the captures it will
+        take (when there is none beside the session's earlier captures, those go to the trie first,
+        `_store_captures`, where the budget can demote them) — whole if demoting and compacting
+        other nodes makes it (their scan-input logs are worth less than any node), else in their
+        compact form (`LayerCache.lean`: no scan-input log, so they
         restore only to their ends), deleting nodes as `enforce_budget` does. Captures that fit
         neither way are unscheduled in every layer (the next capture spans them), the earliest
         first: restore points near the prompt's end matter most."""
         session = slot.session
-        if session is None or session.closed:
+        if session is None or session.closed or self._budget() is None:
             return
         with self.lock:
             slot.reserved = 0  # a previous forward's captures, if any, are counted by now
-            self._store_captures(session)
-            if self._budget() is None:
-                return
             first = slot.caches[self.layers[0]]
             ends = [o for o in first.capture_ends(tokens) if o <= len(session.prompt)]
+            if ends and not self.make_room(self.span_cost(first.capture_start, ends), captures=False):
+                self._store_captures(session)  # no room beside them: make them nodes the budget can demote
             while ends:
                 full = self.span_cost(first.capture_start, ends)
                 # Whole: by demoting and compacting; by deleting too if it takes at most half the budget
@@ -603,6 +607,13 @@ class PrefixCache:
         session.stored = ends[-1]
         slot.live = session.prompt[: ends[-1]]  # on the live path: its state is in the live caches
 
+    def _drop_hidden(self, session: Session) -> None:
+        """Drop the hidden states of the nodes `session` stored so far."""
+        with self.lock:
+            for node in self.trie.match(session.prompt[: session.stored])[0]:
+                if node.start >= session.cached:
+                    node.hidden = None
+
     def _close(self, session: Session) -> None:
         with self.lock:
             self._close_locked(session)
@@ -612,6 +623,7 @@ class PrefixCache:
     def _close_locked(self, session: Session) -> None:
         slot = session.slot
         slot.reserved = 0
+        self._store_captures(session)
         caches = slot.caches
         end = session.offset
         # The last piece (from the last capture to the end) and the hidden log are new bytes: room
