@@ -21,3 +21,20 @@ def checkpoints(tmp_path_factory):
         return made[name]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def demo_dir(tmp_path_factory):
+    """The demo checkpoint (Gated DeltaNet + attention), written once per session."""
+    from hybridlm.demo import write_demo_model
+
+    return write_demo_model(tmp_path_factory.mktemp("demo"))
+
+
+@pytest.fixture(scope="session")
+def ray_port():
+    """A local Ray with Serve's HTTP proxy (started once for the cluster tests): its port."""
+    from hybridlm.cluster import ray_cluster
+
+    with ray_cluster(cpus=2) as port:
+        yield port

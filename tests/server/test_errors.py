@@ -31,7 +31,9 @@ CASES = [
     ("missing-messages", CHAT, {"model": MODEL}, 400, "messages", None),
     ("messages-not-a-list", CHAT, chat(messages="hi"), 400, "messages", None),
     ("bad-role", CHAT, chat(messages=[{"role": "wizard", "content": "x"}]), 400, "messages", None),
-    ("n-2", CHAT, chat(n=2), 400, "n", None),
+    ("n-zero", CHAT, chat(n=0), 400, "n", None),
+    ("n-over-max-running", CHAT, chat(n=9), 400, "n", None),  # the server runs 8 sequences at once
+    ("n-over-openai-bound", CHAT, chat(n=129), 400, "n", None),
     ("temperature-negative", CHAT, chat(temperature=-1), 400, "temperature", None),
     ("temperature-string", CHAT, chat(temperature="hot"), 400, "temperature", None),
     ("top-p-zero", CHAT, chat(top_p=0), 400, "top_p", None),

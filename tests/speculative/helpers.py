@@ -75,7 +75,7 @@ class AlwaysDraft(DepthController):
     """Drafts `max_depth` tokens every round it may: these tests must see drafts whatever the
     timings (the adaptive controller backs off where drafting does not pay on a busy machine)."""
 
-    def depth(self, state, limit: int) -> int:
+    def depth(self, state, limit: int, share=None) -> int:
         return min(self.max_depth, limit)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import random
 
-from hybridlm.speculative import DepthController
+from hybridlm.speculative import DepthController, StepShare
 
 
 def simulate(controller, steps, acceptance, verify_cost, draft_cost=0.0, seed=0, state=None):
@@ -20,13 +20,14 @@ def simulate(controller, steps, acceptance, verify_cost, draft_cost=0.0, seed=0,
         n = controller.depth(state, limit=100)
         depths.append(n)
         if n == 0:
-            controller.observe_plain(verify_cost(0))
+            controller.observe_step(1, verify_cost(0))
             continue
         accepted = 0
         while accepted < n and rng.random() < acceptance:
             accepted += 1
         judged = min(accepted + 1, n)
-        controller.observe_round(state, n, judged, accepted, n * draft_cost, verify_cost(n))
+        controller.observe_round(state, n, judged, accepted, n * draft_cost)
+        controller.observe_step(1 + n, verify_cost(n))
     return depths
 
 
@@ -83,3 +84,69 @@ def test_one_slow_verify_pass_does_not_keep_the_controller_shallow():
     cost = lambda n: (5.0 if n == 8 and next(spiked, False) else 1.0) + 0.05 * n  # noqa: E731
     depths = simulate(controller, 60, acceptance=1.0, verify_cost=cost, state=state)
     assert depths[-40:] == [8] * 40
+
+
+def simulate_batch(controller, sequences, steps, acceptance, step_cost, seed=0):
+    """`sequences` requests decode together for `steps` steps, as the engine runs them: each picks its
+    depth in turn for a step holding the others' rows (every undecided one a plain row); a step of R
+    rows costs step_cost(R) seconds (a fake clock). Returns every depth of the last half."""
+    rng = random.Random(seed)
+    states = [controller.start() for _ in range(sequences)]
+    depths = []
+    for _ in range(steps):
+        step = StepShare(sequences, float(sequences))
+        chosen = []
+        for state in states:
+            n = controller.depth(state, 100, StepShare(step.rows - 1, step.tokens - 1.0))
+            step.rows += n
+            step.tokens += controller.expected_tokens(n, state.acceptance.value) - 1.0
+            chosen.append(n)
+        controller.observe_step(step.rows, step_cost(step.rows))
+        for state, n in zip(states, chosen, strict=True):
+            if n:
+                accepted = 0
+                while accepted < n and rng.random() < acceptance:
+                    accepted += 1
+                controller.observe_round(state, n, min(accepted + 1, n), accepted, 0.0)
+        depths += chosen
+    return depths[len(depths) // 2 :]
+
+
+def test_drafts_shorten_when_the_batch_makes_rows_expensive():
+    """Compute-bound steps (each row costs 30% of a one-row step): a sequence alone drafts 2-3, eight
+    together decode plainly (a draft row slows every other sequence's token); memory-bound steps
+    (a row costs 2% of a step) keep drafting deep at any batch size. Learned from the step times."""
+    compute_bound = lambda rows: 1.0 + 0.3 * (rows - 1)  # noqa: E731
+    memory_bound = lambda rows: 1.0 + 0.02 * (rows - 1)  # noqa: E731
+    median = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    alone = simulate_batch(DepthController(max_depth=8), 1, 200, 0.7, compute_bound)
+    batched = simulate_batch(DepthController(max_depth=8), 8, 200, 0.7, compute_bound)
+    assert median(alone) >= 2
+    assert median(batched) == 0 and sum(batched) < 0.1 * sum(alone) * 8
+    cheap = simulate_batch(DepthController(max_depth=8), 8, 200, 0.7, memory_bound)
+    assert median(cheap) >= 3
+
+
+def test_a_batch_does_not_change_a_seeded_requests_depths():
+    """A reproducible request decides from its own outcomes only, batch or not."""
+    controller = DepthController(max_depth=8)
+    state = controller.start(reproducible=True)
+    alone = [controller.depth(state, 8) for _ in range(5)]
+    controller = DepthController(max_depth=8)
+    for rows in range(1, 40):
+        controller.observe_step(rows, rows * 1.0)
+    state = controller.start(reproducible=True)
+    crowded = [controller.depth(state, 8, StepShare(30, 30.0)) for _ in range(5)]
+    assert alone == crowded
+
+
+def test_a_step_is_never_estimated_above_a_faster_step_with_more_rows():
+    """On a shared machine noise only adds time: a busy moment measured at 2 rows must not make 2
+    rows look dearer than 4."""
+    controller = DepthController()
+    for _ in range(3):
+        controller.observe_step(1, 1.0)
+        controller.observe_step(2, 5.0)
+        controller.observe_step(4, 1.3)
+    assert controller.step_seconds(2) == 1.3
+    assert controller.step_seconds(1) == 1.0

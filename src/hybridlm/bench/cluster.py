@@ -1,46 +1,40 @@
-"""`hybridlm bench cluster`: `bench multiturn`'s chat and agent traces through N replicas + a shared
-Valkey / Redis store + SGLang's router (prefix-aware, and round-robin so that every conversation is
-spread over the replicas), beside the same replicas round-robin without the store.
+"""`hybridlm bench cluster`: `bench multiturn`'s chat and agent traces through N replicas under Ray
+Serve behind `ray_serve.PrefixAwareRouter`, sharing a Valkey / Redis store: in `prefix` mode, and in
+`round_robin` mode (every turn of every conversation on the next replica: the store's worst case),
+beside the same replicas round-robin with private caches.
 
-Requests go through the router's OpenAI API as text prompts to `/v1/completions` (the router
-takes no token-id prompts), one at a time, with one generated token each: the API answers text,
-not token ids, so a history that held the answers would make the oracle depend on tokens the client
-never sees. Histories therefore grow by the trace's new messages (user turns, tool results,
-rewritten tails, regenerations, edits), and what a replica stores is exactly each prompt's tokens
-(encoded here with the model's tokenizer, as the server does; checked against `usage`): a
-brute-force oracle that knows every prompt served gives each request's best reuse, and prefilled
-tokens (`usage.cache.prefilled_tokens`, reported by whichever replica served it) are compared with
-the sum of (prompt − best reuse).
+Requests go through the router's OpenAI API as text prompts to `/v1/completions`, one at a time
+(or from `--clients` threads), with one generated token each: the API answers text, not token
+ids, so a history that held the answers would make the oracle depend on tokens the client never
+sees. Histories therefore grow by the trace's new messages (user turns, tool results, rewritten
+tails, regenerations, edits), and what a replica stores is exactly each prompt's tokens (encoded
+here with the model's tokenizer, as the server does; checked against `usage`): a brute-force
+oracle that knows every prompt served gives each request's best reuse, and prefilled tokens
+(`usage.cache.prefilled_tokens`, reported by whichever replica served it) are compared with the
+sum of (prompt − best reuse).
 
 Store writes are asynchronous (they never delay an answer): a node lands in the store some tens of
-milliseconds after its request ends (encoding and digests of MBs of snapshots). `--think-ms` is the
-client's pause between an answer and its next request (a user reading, a tool running); at 0 a
-request sent on another replica right after the previous answer can miss what that answer's
-replica has not yet written.
+milliseconds after its request ends. `--think-ms` is the client's pause between an answer and its
+next request; at 0 a follow-up reaches the router before the previous answer's write has landed,
+and the router either sends it to the replica that answered (prefix mode) or waits for the write.
 """
 
 from __future__ import annotations
 
 import json
 import random
-import shlex
 import threading
 import time
 import urllib.request
 from pathlib import Path
 
 from hybridlm.bench.multiturn import make_trace
-from hybridlm.cluster import Deployment, free_port
+from hybridlm.cluster import Deployment, ray_cluster
 from hybridlm.prefix.cache import common_prefix
 
-# Round-robin spreads every conversation over all replicas (each turn on the next one): the shared
-# store's worst case. SGLang's cache-aware policy matches request text against its own tree of what
-# it routed; the Ray Serve router (hybridlm.ray_serve, with --ray) asks the store which replica holds
-# the deepest stored prefix.
 MODEL_NAME = "hybridlm"
 RUNS = {
-    "SGLang cache-aware + shared store": {"store": True, "policy": "cache_aware"},
-    "Ray Serve prefix-aware + shared store": {},
+    "prefix-aware + shared store": {"store": True, "policy": "prefix"},
     "round-robin + shared store": {"store": True, "policy": "round_robin"},
     "round-robin, private caches": {"store": False, "policy": "round_robin"},
 }
@@ -48,7 +42,7 @@ RUNS = {
 
 def prompts(trace, seed: int, tokenizer) -> list[tuple[int, str, list[int]]]:
     """(conversation, prompt text, its token ids as the server encodes them) per request: `multiturn.run`'s
-    histories without the answers, in text (SGLang's router takes text prompts, not token ids).
+    histories without the answers, in text (what a client sees).
     Each message is the trace's random tokens decoded; edits and rewritten tails cut the text."""
     rng = random.Random(seed)
     history: dict[int, str] = {}
@@ -86,8 +80,8 @@ def oracle_minimum(requests: list[tuple[int, str, list[int]]]) -> int:
 
 def replay(url: str, requests, think_s: float, clients: int = 1) -> dict:
     """Send `requests` to `url`'s OpenAI API: one at a time, or from `clients` threads, each taking
-    whole conversations (their turns in order); totals, and prompt tokens per replica when the
-    answers name it (Ray's frontend does)."""
+    whole conversations (their turns in order); totals, and prompt tokens per replica (the
+    frontend's answers name the replica)."""
     totals = {"prefilled_tokens": 0, "cached_tokens": 0}
     per_replica: dict[str, int] = {}
     lock = threading.Lock()
@@ -136,68 +130,28 @@ def replay(url: str, requests, think_s: float, clients: int = 1) -> dict:
     }
 
 
-def _metric(url: str, name: str) -> float:
-    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
-        for line in r.read().decode().splitlines():
-            if line.startswith(name + " "):
-                return float(line.rsplit(" ", 1)[1])
-    return 0.0
+def _store_sent_bytes(store) -> int:
+    """Bytes the store server has sent (entries read by replicas, index replies): lost locality."""
+    return int(store.client().info("stats")["total_net_output_bytes"])
 
 
-def _store_sent_bytes(store_url: str | None) -> int | None:
-    """Bytes the store server has sent (entries read by replicas, index replies): locality."""
-    if store_url is None:
-        return None
-    import valkey
-
-    return int(valkey.Valkey.from_url(store_url).info("stats")["total_net_output_bytes"])
-
-
-def run_sglang(args, requests, how: dict) -> dict:
+def run(args, port: int, requests, label: str, how: dict, think_s: float) -> dict:
     serve_args = ["--prefill-chunk", str(args.prefill_chunk), "--model-name", MODEL_NAME]
-    router_args = shlex.split(args.router_args) if how["policy"] == "cache_aware" else []
+    name = "bench" + str(list(RUNS).index(label))
     deployment = Deployment(
-        args.replicas, args.model, threads=args.threads, serve_args=serve_args, router_args=router_args, **how
+        port,
+        name,
+        args.replicas,
+        args.model,
+        threads=args.threads,
+        serve_args=serve_args,
+        wait_s=args.wait_ms / 1e3,
+        **how,
     )
     with deployment as d:
-        run = replay(d.router_url, requests, args.think_ms / 1e3, args.clients)
-        run["prompt_tokens_per_replica"] = sorted(
-            (_metric(u, "hybridlm_prompt_tokens_total") for u in d.urls), reverse=True
-        )
-        run["store_sent_bytes"] = _store_sent_bytes(d.store_url)
-    return run
-
-
-def run_ray(args, requests) -> dict:
-    """The same replicas as a Ray Serve deployment behind `ray_serve.PrefixAwareRouter`."""
-    import ray
-    import torch
-    from ray import serve
-
-    from hybridlm.models import load_model
-    from hybridlm.prefix.disk import model_fingerprint
-    from hybridlm.ray_serve import RayCluster, build
-
-    fingerprint = model_fingerprint(load_model(args.model, dtype=torch.bfloat16, device="cpu"))
-    serve_args = ("--prefill-chunk", str(args.prefill_chunk), "--model-name", MODEL_NAME)
-    with Deployment(0, store=True, policy=None) as store:
-        port = free_port()
-        t0 = time.perf_counter()
-        ray.init(num_cpus=args.replicas, include_dashboard=False, log_to_driver=False)
-        try:
-            serve.start(http_options={"host": "127.0.0.1", "port": port})
-            spec = RayCluster(
-                args.model, store.store_url, fingerprint, args.replicas, args.threads, serve_args
-            )
-            serve.run(build(spec), route_prefix="/")
-            started = time.perf_counter() - t0
-            run = replay(f"http://127.0.0.1:{port}", requests, args.think_ms / 1e3, args.clients)
-            run["startup_seconds"] = started
-            run["store_sent_bytes"] = _store_sent_bytes(store.store_url)
-        finally:
-            serve.shutdown()
-            ray.shutdown()
-    return run
+        result = replay(d.url, requests, think_s, args.clients)
+        result["store_sent_bytes"] = _store_sent_bytes(d.store_server) if d.store_server else None
+    return result
 
 
 def main(args) -> int:
@@ -216,34 +170,37 @@ def main(args) -> int:
         "model": args.model,
         "replicas": args.replicas,
         "trace": {"requests": len(requests), "seed": args.seed, "prompt_tokens": total},
-        "think_ms": args.think_ms,
         "clients": args.clients,
+        "wait_ms": args.wait_ms,
         "oracle_min_prefilled_tokens": minimum,
-        "runs": {},
+        "runs": {},  # think ms -> label -> run
     }
-    runs = [label for label in RUNS if args.ray or "Ray" not in label]
-    for label in runs:
-        print(f"{label}: starting {args.replicas} replicas ...", flush=True)
-        run = run_ray(args, requests) if "Ray" in label else run_sglang(args, requests, RUNS[label])
-        run["prefilled_vs_oracle"] = run["prefilled_tokens"] / max(minimum, 1)
-        report["runs"][label] = run
+    with ray_cluster(args.replicas) as port:
+        for think_ms in args.think_ms:
+            runs = report["runs"][think_ms] = {}
+            for label, how in RUNS.items():
+                print(f"{label}, think {think_ms:g} ms: starting {args.replicas} replicas ...", flush=True)
+                result = run(args, port, requests, label, how, think_ms / 1e3)
+                result["prefilled_vs_oracle"] = result["prefilled_tokens"] / max(minimum, 1)
+                runs[label] = result
     print(
-        f"\n{len(requests)} requests ({total} prompt tokens), {args.replicas} replicas, seed {args.seed}, ",
-        end="",
+        f"\n{len(requests)} requests ({total} prompt tokens), {args.replicas} replicas, seed {args.seed}, "
+        f"{args.clients} client(s), router waits ≤ {args.wait_ms:g} ms for a store write; "
+        f"single-server oracle minimum: {minimum} prefilled tokens"
     )
-    print(f"{args.think_ms:g} ms between an answer and the next request, {args.clients} client(s)")
-    print(f"single-server oracle minimum: {minimum} prefilled tokens")
-    print(
-        f"{'run':<36}{'prefilled':>10}{'vs oracle':>10}{'seconds':>9}{'store sent MB':>14}"
-        "  prompt tokens per replica"
-    )
-    for label, r in report["runs"].items():
-        spread = "/".join(f"{x:.0f}" for x in r["prompt_tokens_per_replica"])
-        sent = "-" if r["store_sent_bytes"] is None else f"{r['store_sent_bytes'] / 2**20:.1f}"
+    for think_ms, runs in report["runs"].items():
+        print(f"\n{think_ms:g} ms between an answer and the next request")
         print(
-            f"{label:<36}{r['prefilled_tokens']:>10}{r['prefilled_vs_oracle']:>10.3f}"
-            f"{r['seconds']:>9.1f}{sent:>14}  {spread}"
+            f"{'run':<32}{'prefilled':>10}{'vs oracle':>10}{'seconds':>9}{'store sent MB':>14}"
+            "  prompt tokens per replica"
         )
+        for label, r in runs.items():
+            spread = "/".join(f"{x:.0f}" for x in r["prompt_tokens_per_replica"])
+            sent = "-" if r["store_sent_bytes"] is None else f"{r['store_sent_bytes'] / 2**20:.1f}"
+            print(
+                f"{label:<32}{r['prefilled_tokens']:>10}{r['prefilled_vs_oracle']:>10.3f}"
+                f"{r['seconds']:>9.1f}{sent:>14}  {spread}"
+            )
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
     return 0

@@ -118,6 +118,14 @@ def line(row: dict) -> str:
     )
 
 
+def speculation_counts(engine) -> dict[str, int] | None:
+    """The engine's speculative totals so far (None without speculative decoding)."""
+    if engine.speculative is None:
+        return None
+    t = engine.speculative.totals
+    return {"drafted": t.drafted_tokens, "accepted": t.accepted_tokens, "verify_passes": t.verify_passes}
+
+
 def main(args, model) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -134,7 +142,9 @@ def main(args, model) -> int:
     # Prompts never repeat (a fresh random draw each): every round is cold, as the issue's anchors.
     prompt = lambda n: torch.randint(0, vocab, (n,), generator=rng).tolist()
 
-    def body(n: int) -> dict:
+    def body(n: int, client: int = 0) -> dict:
+        """Client `client`'s request with an n-token prompt; with --speculative-clients K only
+        clients 0 … K-1 decode speculatively."""
         return {
             "model": MODEL_NAME,
             "prompt": prompt(n),
@@ -143,7 +153,11 @@ def main(args, model) -> int:
             "ignore_eos": True,
             "stream": True,
             "stream_options": {"include_usage": True},
+            "speculative": args.speculative_clients is None or client < args.speculative_clients,
         }
+
+    def bodies(n: int) -> list[dict]:
+        return [body(args.prompt_tokens, i) for i in range(n)]
 
     def run(bodies: list[dict], late: list[dict] = ()) -> tuple[dict, int]:
         with PeakRSS() as rss:
@@ -167,19 +181,21 @@ def main(args, model) -> int:
     }
     try:
         print("warming up ...", flush=True)
-        run([body(args.prompt_tokens) for _ in range(2)])
+        run(bodies(2))
         for n in args.clients:
             for _ in range(args.repeats):
-                result, peak = run([body(args.prompt_tokens) for _ in range(n)])
+                before = speculation_counts(engine)
+                result, peak = run(bodies(n))
                 row = summarise(result, result["streams"], args.prompt_tokens, peak)
+                if before is not None:
+                    after = speculation_counts(engine)
+                    row["speculative"] = {k: after[k] - before[k] for k in before}
                 report["rounds"].append(row)
                 print(f"{n:>3} clients: " + line(row), flush=True)
                 if args.long_prompt and n > 1:
-                    result, peak = run(
-                        [body(args.prompt_tokens) for _ in range(n - 1)], [body(args.long_prompt)]
-                    )
+                    result, peak = run(bodies(n - 1), [body(args.long_prompt, n - 1)])
                     decoding = summarise(result, result["streams"][: n - 1], args.prompt_tokens, peak)
-                    quiet, _ = run([body(args.prompt_tokens) for _ in range(n - 1)])
+                    quiet, _ = run(bodies(n - 1))
                     baseline = summarise(quiet, quiet["streams"], args.prompt_tokens, 0)
                     ratio = decoding["tpot_ms_p95"] / baseline["tpot_ms_p95"]
                     report["long_prompt"].append(
@@ -224,6 +240,11 @@ def main(args, model) -> int:
                 for n, b in report["best"].items()
             )
         )
+    if engine.speculative is not None:
+        # What the depth controller measured: seconds per step by rows in it (decode + verify rows).
+        steps = engine.speculative.controller.measured_step_seconds()
+        report["step_ms_by_rows"] = {rows: seconds * 1e3 for rows, seconds in steps.items()}
+        print("step ms by rows:", ", ".join(f"{r}: {ms:.0f}" for r, ms in report["step_ms_by_rows"].items()))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
     return 0

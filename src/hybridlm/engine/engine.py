@@ -2,11 +2,13 @@
 
 Loop: `_schedule` admits requests from a bounded FIFO queue into the running set, in arrival order,
 up to `max_running` and while their memory fits; `_step` advances every running sequence by one
-unit of work — all plain decode rows in one packed forward (each weight read once for all of them,
-each row computed as it is alone), speculative rounds, and prefill chunks under the per-step token
-budget; `_emit` hands each request its event and retires the finished ones, whose slots go back at
-once. A request's output never depends on what else runs: its prefill is cut into the chunks it gets
-alone, and its decode rows go through the per-token kernels, which compute each row independently.
+unit of work — every decode row and every speculative sequence's verify rows in one packed forward
+(each weight read once for all of them, each row computed as it is alone; each sequence then
+commits its own accepted prefix), and prefill chunks under the per-step token budget; `_emit` hands
+each request its event and retires the finished ones, whose slots go back at once. A request of n
+choices prefills once and forks n sequences. A request's output never depends on what else runs:
+its prefill is cut into the chunks it gets alone, and its decode and verify rows go through the
+per-token kernels, which compute each row independently.
 
 Callers talk to the engine through `Request` handles: events arrive through a sink (called on the
 engine thread, so it must be quick); `stream`/`generate` wrap that for blocking code and
@@ -24,12 +26,13 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from hybridlm.batch import Batch
 from hybridlm.cache.base import LayerCache
+from hybridlm.cache.fork import fork_caches
 from hybridlm.engine.grammar import GrammarCompiler, Matcher
 from hybridlm.engine.memory import CacheCost, available_memory
 from hybridlm.engine.params import EngineClosed, InvalidParameter, PromptTooLong, QueueFull, SamplingParams
@@ -54,7 +57,7 @@ from hybridlm.models.tokenizer import IncrementalDecoder, Tokenizer
 from hybridlm.ops.sampling import apply_penalties, sample, token_logprobs
 from hybridlm.prefix.cache import PrefixCache, Session
 from hybridlm.runtime import keep_freed_memory
-from hybridlm.speculative import Drafter, RequestSpeculation, Speculator, TargetPolicy
+from hybridlm.speculative import Drafter, RequestSpeculation, Speculator, StepShare, TargetPolicy, VerifyRows
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +88,25 @@ class _Running:
     matcher: Matcher | None = None  # the request's grammar state (None: unconstrained)
     prefill_done: float | None = None
     first_token: float | None = None
+    index: int = 0  # its choice of the request (`SamplingParams.n`)
+    forks: int = 0  # choices still to fork from it when its prefill ends
+    forked: bool = False  # a choice > 0: its prompt state was copied, not computed
+
+
+@dataclass
+class _Rows:
+    """One sequence's part of a decode step: its last emitted token (a plain decode row) or, when it
+    drafted, its verify rows (that token and the drafts, scheduled in `verify`)."""
+
+    running: _Running
+    ids: list[int]
+    verify: VerifyRows | None = None
+    policy: TargetPolicy | None = None
+
+    @property
+    def which(self) -> str:
+        """The rows whose logits the sequence needs: "last" (a decode row) or "all" (verify rows)."""
+        return "last" if self.verify is None else "all"
 
 
 @contextmanager
@@ -177,6 +199,8 @@ class Engine:
         self._closed = False
         self._progress = time.monotonic()  # when the worker last finished a unit of work
         self._failed = False  # the worker ended on an error outside any request
+        self._step_rows = 0  # decode and verify rows of the step being run
+        self._forked: list[_Running] = []  # choices forked in the step being run
         keep_freed_memory()
         self._threads = torch.get_num_threads()
         self._thread = threading.Thread(target=self._loop, name="hybridlm-engine", daemon=True)
@@ -221,6 +245,9 @@ class Engine:
                 f"prompt has {len(prompt_ids)} tokens, which leaves no room to generate within this "
                 f"server's context length of {self.context_length} tokens",
             )
+        if params.n > self.max_running:
+            limit = f"n must be <= {self.max_running} (the sequences this server runs at once)"
+            raise InvalidParameter("n", f"{limit}, got {params.n}")
         if any(t >= vocab for t in params.stop_token_ids):
             raise InvalidParameter("stop_token_ids", f"stop_token_ids must be < {vocab}")
         if params.stop and self.tokenizer is None:
@@ -234,25 +261,32 @@ class Engine:
             self.grammars.check(params.grammar)
 
     def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[Event]:
-        """Blocking iterator over a request's events; closing it early cancels the request."""
+        """Blocking iterator over a request's events (of all its choices, each `Event.index`); closing
+        it early cancels the request."""
         events: queue.SimpleQueue[Event] = queue.SimpleQueue()
         request = self.submit(prompt_ids, params, events.put)
-        finished = False
+        open_choices = params.n
         try:
-            while not finished:
+            while open_choices:
                 event = events.get()
-                finished = event.finished
+                open_choices -= event.finished
                 yield event
         finally:
-            if not finished:
+            if open_choices:
                 request.cancel()
 
     def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
-        """Run one request to completion (blocking) and return everything it produced."""
-        result = Completion()
+        """Run one request (n = 1) to completion (blocking) and return everything it produced."""
+        if params.n != 1:
+            raise ValueError("generate runs one choice: use generate_choices for n > 1")
+        return self.generate_choices(prompt_ids, params)[0]
+
+    def generate_choices(self, prompt_ids: list[int], params: SamplingParams) -> list[Completion]:
+        """Run one request to completion (blocking): what each of its n choices produced, by index."""
+        results = [Completion() for _ in range(params.n)]
         for event in self.stream(prompt_ids, params):
-            result.add(event)
-        return result
+            results[event.index].add(event)
+        return results
 
     @property
     def queue_depth(self) -> int:
@@ -322,7 +356,8 @@ class Engine:
                 self._queue.clear()
                 self._running.clear()
             for request in stranded:
-                self._deliver(request, Event(finish_reason=ERROR, error=f"engine failed: {type(e).__name__}"))
+                error = Event(finish_reason=ERROR, error=f"engine failed: {type(e).__name__}")
+                self._deliver_rest(request, error)
 
     def _schedule(self) -> list[_Running] | None:
         """Admit queued requests up to `max_running`; block while there is nothing to do.
@@ -333,7 +368,7 @@ class Engine:
                 for request in [r for r in self._queue if r.cancelled]:
                     self._queue.remove(request)
                     dropped.append(request)
-                while len(self._running) < self.max_running and self._queue and self._fits(self._queue[0]):
+                while self._queue and self._fits(self._queue[0]):
                     self._running.append(self._start(self._queue.popleft()))
                 if self._running or dropped:
                     break
@@ -344,26 +379,46 @@ class Engine:
             now = time.perf_counter()
             usage = Usage(len(request.prompt_ids), 0)
             timings = Timings((now - request.arrival) * 1e3, 0.0, None, 0.0, (now - request.arrival) * 1e3)
-            self._deliver(request, Event(finish_reason=CANCELLED, usage=usage, timings=timings))
+            self._deliver_rest(request, Event(finish_reason=CANCELLED, usage=usage, timings=timings))
             with self.stats.lock:
                 self.stats.finished[CANCELLED] += 1
         return self._running
 
     def _fits(self, request: Request) -> bool:
-        """Whether `request`'s caches fit `max_memory` beside the running ones (alone it always does)."""
-        return not self._running or self._reserved + self._bytes_for(request) <= self.max_memory
+        """Whether `request`'s sequences (its n choices) fit `max_running` and their caches fit
+        `max_memory` beside the running ones (alone they always do: n <= max_running)."""
+        if not self._running:
+            return True
+        sequences = sum(1 + r.forks for r in self._running) + request.params.n
+        return sequences <= self.max_running and self._reserved + self._bytes_for(request) <= self.max_memory
 
     def _bytes_for(self, request: Request) -> int:
+        """Bytes of state and KV the request's n sequences may hold (prompt + max_tokens each)."""
         room = self.context_length - len(request.prompt_ids)
         tokens = len(request.prompt_ids) + min(request.params.max_tokens or room, room)
-        return self._cost.bytes(tokens)
+        return self._cost.bytes(tokens) * request.params.n
 
     def _start(self, request: Request) -> _Running:
+        running = self._sequence(request, 0)
+        running.forks = request.params.n - 1
+        running.reserved = self._bytes_for(request)
+        self._reserved += running.reserved
+        with self.stats.lock:
+            self.stats.queue_seconds.observe(running.started - request.arrival)
+        log.debug(
+            "event=started request=%d queue_ms=%.1f", request.id, (running.started - request.arrival) * 1e3
+        )
+        return running
+
+    def _sequence(self, request: Request, index: int) -> _Running:
+        """Engine-side state of choice `index` of `request`: its own generator (seeded with
+        `choice_seed(index)`), decoder, stop strings, grammar state and speculation."""
         params = request.params
         generator = None
         if not params.greedy:
             generator = torch.Generator(device=self.model.device)
-            generator.manual_seed(params.seed if params.seed is not None else secrets.randbits(63))
+            seed = params.choice_seed(index)
+            generator.manual_seed(seed if seed is not None else secrets.randbits(63))
         decoder = None
         if self.tokenizer is not None:
             context = request.prompt_ids[-DECODE_CONTEXT:]
@@ -372,11 +427,8 @@ class Engine:
             )
         room = self.context_length - len(request.prompt_ids)
         max_tokens = min(params.max_tokens or room, room)
-        running = _Running(
-            request, max_tokens, time.perf_counter(), generator, decoder, StopStrings(params.stop)
-        )
-        running.reserved = self._bytes_for(request)
-        self._reserved += running.reserved
+        stopper = StopStrings(params.stop)
+        running = _Running(request, max_tokens, time.perf_counter(), generator, decoder, stopper, index=index)
         if params.grammar is not None:
             running.matcher = self.grammars.matcher(params.grammar)
         if self.speculative is not None and params.speculative:
@@ -384,36 +436,47 @@ class Engine:
             # lengths may then depend only on its own outcomes.
             reproducible = not params.greedy and params.seed is not None
             running.speculation = self.speculative.start(request.prompt_ids, reproducible)
-        with self.stats.lock:
-            self.stats.queue_seconds.observe(running.started - request.arrival)
-        log.debug(
-            "event=started request=%d queue_ms=%.1f", request.id, (running.started - request.arrival) * 1e3
-        )
         return running
+
+    def _fork(self, parent: _Running) -> None:
+        """Start the other choices of `parent`'s request, its prefill having just ended: each continues
+        from a copy of the prompt's state (`fork_caches`) with the prompt's logits and takes its share
+        of the admission's reservation; they join the running set at the end of this step."""
+        forks = []
+        for index in range(1, parent.forks + 1):
+            fork = self._sequence(parent.request, index)
+            fork.caches = fork_caches(parent.caches, self.model.make_caches(1))
+            fork.forked = True
+            fork.started, fork.prefill_done = parent.started, parent.prefill_done
+            fork.prefill_pos = fork.position = parent.position
+            fork.logits = parent.logits
+            if fork.speculation is not None:  # its drafter starts from the prompt's tokens alone
+                fork.speculation.attach(fork.caches)
+            forks.append(fork)
+        share = parent.reserved // (parent.forks + 1)
+        for fork in forks:
+            fork.reserved = share
+            parent.reserved -= share
+        parent.forks = 0
+        self._forked.extend(forks)
 
     def _step(self, batch: list[_Running]) -> list[tuple[_Running, Event]]:
         """Advance every running sequence by one unit of work; one event per sequence that produced
-        tokens or finished. Decode rows of plain sequences share one packed forward; speculative
-        sequences run their rounds; prefill chunks go in arrival order under `max_batch_tokens`."""
+        tokens or finished. The decode rows and verify rows of every sequence past its prefill share
+        one packed forward; prefill chunks go in arrival order under `max_batch_tokens`."""
         out: list[tuple[_Running, Event]] = []
         decoding: list[_Running] = []
         prefilling: list[_Running] = []
-        rows = 0  # tokens this step runs: decode rows, verify rows (current + drafts), prefill chunks
+        self._step_rows = 0
         for running in batch:
             if running.request.cancelled:
                 out.append((running, self._finish(running, CANCELLED)))
             elif running.prefill_done is None:
                 prefilling.append(running)
-            elif running.speculation is None:
-                decoding.append(running)
             else:
-                drafted = running.speculation.counts.drafted_tokens
-                event = self._guarded(running, self._advance)
-                rows += 1 + running.speculation.counts.drafted_tokens - drafted
-                if event is not None:
-                    out.append((running, event))
+                decoding.append(running)
         out.extend(self._decode(decoding))
-        rows += len(decoding)
+        rows = self._step_rows  # tokens this step runs: decode and verify rows, then prefill chunks
         chunks = 0
         for running in prefilling:
             event = None
@@ -432,42 +495,72 @@ class Engine:
                 event = self._guarded(running, self._advance)
             if event is not None:
                 out.append((running, event))
+        for fork in self._forked:  # choices > 0 of a prompt whose prefill just ended: their first token
+            out.append((fork, self._guarded(fork, self._next_token)))
+        with self._wake:
+            self._running.extend(self._forked)
+        self._forked = []
         with self.stats.lock:
             self.stats.batch_rows.observe(rows)
         return out
 
-    def _guarded(self, running: _Running, work: Callable[[_Running], object]):
-        """`work(running)`; a failure finishes that request with an error event (never the engine)."""
+    def _guarded(self, running: _Running, work: Callable[..., object], *args):
+        """`work(running, *args)`; a failure finishes that request with an error event (never the engine)."""
         try:
-            return work(running)
+            return work(running, *args)
         except Exception as e:  # a failing request must not take the engine down with it
             log.exception("event=failed request=%d", running.request.id)
             return self._finish(running, ERROR, error=f"{type(e).__name__}: {e}")
 
     def _decode(self, batch: list[_Running]) -> list[tuple[_Running, Event]]:
-        """One decode token for each of `batch` (plain sequences past their prefill): one packed forward
-        when the model packs and several run, else one forward each."""
+        """One decode step of every sequence in `batch` (past their prefill): each speculative one
+        drafts (its depth chosen for this step's rows) and schedules its verify rows; then one packed
+        forward runs every sequence's decode row or verify rows (when the model packs and several
+        run; else one forward each), and each sequence commits its own accepted prefix."""
         if len(batch) < 2 or not self.model.packs:
             return [(r, self._guarded(r, self._advance)) for r in batch]
-        segments = [
-            Batch.single([r.output_ids[-1]], offset=r.position, device=self.model.device) for r in batch
-        ]
+        out: list[tuple[_Running, Event]] = []
+        planned: list[_Rows] = []
+        step = StepShare(len(batch), float(len(batch)))  # each sequence one plain row until it drafts
+        for running in batch:
+            rows = self._guarded(running, self._rows, StepShare(step.rows - 1, step.tokens - 1.0))
+            if isinstance(rows, Event):  # its drafting failed: it is finished
+                step.rows, step.tokens = step.rows - 1, step.tokens - 1.0
+                out.append((running, rows))
+                continue
+            planned.append(rows)
+            if rows.verify is not None:
+                drafted = len(rows.ids) - 1
+                step.rows += drafted
+                step.tokens += running.speculation.expected_tokens(drafted) - 1.0
+        if not planned:
+            return out
+        t0 = time.perf_counter()
+        hidden = any(p.running.speculation and p.running.speculation.reads_hidden for p in planned)
+        device = self.model.device
+        segments = [Batch.single(p.ids, offset=p.running.position, device=device) for p in planned]
+        caches = [p.running.caches for p in planned]
         try:
-            logits = forward_packed(self.model, segments, [r.caches for r in batch], ["last"] * len(batch))
+            result = forward_packed(self.model, segments, caches, [p.which for p in planned], hidden)
         except Exception as e:  # the forward may have advanced some caches and not others: all fail
-            log.exception("event=failed requests=%s", [r.request.id for r in batch])
-            return [(r, self._finish(r, ERROR, error=f"{type(e).__name__}: {e}")) for r in batch]
-        out = []
-        for running, row in zip(batch, logits, strict=True):
-            if running.session is not None:
-                running.session.advance([running.output_ids[-1]])
-            running.logits = row
-            running.position += 1
-            out.append((running, self._guarded(running, self._next_token)))
+            log.exception("event=failed requests=%s", [p.running.request.id for p in planned])
+            for p in planned:
+                if p.verify is not None:
+                    p.verify.abort()
+            error = f"{type(e).__name__}: {e}"
+            return out + [(p.running, self._finish(p.running, ERROR, error=error)) for p in planned]
+        logits, states = result if hidden else (result, [None] * len(planned))
+        for rows, row_logits, row_states in zip(planned, logits, states, strict=True):
+            event = self._guarded(rows.running, self._commit, rows, row_logits, row_states)
+            out.append((rows.running, event))
+        if self.speculative is not None:
+            self.speculative.observe_step(sum(len(p.ids) for p in planned), time.perf_counter() - t0)
         return out
 
     def _emit(self, outputs: list[tuple[_Running, Event]]) -> None:
         for running, event in outputs:
+            if running.index:
+                event = replace(event, index=running.index)
             if event.finished:
                 with self._wake:
                     self._running.remove(running)
@@ -477,6 +570,9 @@ class Engine:
                     running.speculation.close()
                 if running.session is not None:
                     self._end_session(running.session, event.finish_reason)
+                if running.forks:  # it ended before its prefill did: so do the choices never forked
+                    self._deliver_rest(running.request, event)
+                    continue
             self._deliver(running.request, event)
 
     @staticmethod
@@ -494,7 +590,14 @@ class Engine:
             session.closed = False  # close() marked it closed before failing: abandon must run
             session.abandon()
 
+    def _deliver_rest(self, request: Request, event: Event) -> None:
+        """`event` (a last one) as the last event of every choice of `request` still open."""
+        for index in sorted(request.open_choices):
+            self._deliver(request, replace(event, index=index))
+
     def _deliver(self, request: Request, event: Event) -> None:
+        if event.finished:
+            request.open_choices.discard(event.index)
         try:
             request.sink(event)
         except Exception:  # the receiver is gone (e.g. its event loop closed): stop generating for it
@@ -540,8 +643,8 @@ class Engine:
     def _forward(
         self, running: _Running, caches: list[LayerCache | None], ids: list[int], offset: int
     ) -> torch.Tensor:
-        """[1, V] logits after running `ids` at `offset` through the target on the committed path,
-        recorded in the prefix-cache session; a drafter that reads the target's hidden states is
+        """[1, V] logits after running prefill chunk `ids` at `offset` through the target, recorded
+        in the prefix-cache session; a drafter that reads the target's hidden states is
         handed them (and the session keeps them for one that resumes from them)."""
         batch = Batch.single(ids, offset=offset, device=self.model.device)
         spec = running.speculation
@@ -569,40 +672,87 @@ class Engine:
                 return None
             running.position = len(request.prompt_ids)
             running.prefill_done = time.perf_counter()
+            if running.forks:
+                self._fork(running)
         else:
-            if running.speculation is not None:
-                event = self._speculate(running)
-                if event is not None:
-                    return event
-            t0 = time.perf_counter()
-            token = running.output_ids[-1]
-            running.logits = self._forward(running, running.caches, [token], running.position)
-            running.position += 1
-            if running.speculation is not None:
-                event = self._next_token(running)
-                running.speculation.observe_plain(time.perf_counter() - t0)
-                return event
+            return self._decode_alone(running)
         return self._next_token(running)
 
-    def _speculate(self, running: _Running) -> Event | None:
-        """One speculative round: draft, verify in one forward, emit the accepted tokens and the
-        target's own through the stop rules, commit. None when the controller or the drafter
-        chooses a plain step instead."""
+    def _decode_alone(self, running: _Running) -> Event:
+        """One decode step of `running` in a forward of its own (the same rows and the same commit
+        as in a packed step)."""
+        rows = self._rows(running)
+        t0 = time.perf_counter()
+        try:
+            logits, states = self._run_alone(rows)
+        except BaseException:
+            if rows.verify is not None:
+                rows.verify.abort()
+            raise
+        event = self._commit(running, rows, logits, states)
+        if self.speculative is not None:
+            self.speculative.observe_step(len(rows.ids), time.perf_counter() - t0)
+        return event
+
+    def _rows(self, running: _Running, share: StepShare | None = None) -> _Rows:
+        """`running`'s rows for this step: a speculative sequence drafts (the depth chosen for a step
+        holding `share` beside it; None: alone) and schedules its verify rows; otherwise, or when it
+        drafts nothing, one decode row (its last emitted token)."""
         spec = running.speculation
+        rows = _Rows(running, [running.output_ids[-1]])
+        if spec is not None:
+            policy = self._policy(running)
+            # Every emitted token counts against max_tokens: draft no further than the last one allowed.
+            limit = running.max_tokens - len(running.output_ids) - 1
+            draft = spec.propose(running.output_ids, limit, policy, share)
+            if draft is not None:
+                verify = spec.verify_rows(running.caches, draft, running.position)
+                rows = _Rows(running, verify.ids, verify, policy)
+        self._step_rows += len(rows.ids)
+        return rows
+
+    def _policy(self, running: _Running) -> TargetPolicy:
+        """How a verify pass picks `running`'s tokens: its sampling parameters and generator."""
         params = running.request.params
         adjust = None
         if params.penalised or running.matcher is not None:
             # Called per position after the tokens before it were emitted: the counts and the
             # grammar state are then those of that position, and a forbidden draft is rejected.
             adjust = lambda logits: self._adjust(running, logits)
-        policy = TargetPolicy(
+        return TargetPolicy(
             params.temperature, params.top_k, params.top_p, params.min_p, running.generator, adjust
         )
-        # Every emitted token counts against max_tokens: draft no further than the last one allowed.
-        limit = running.max_tokens - len(running.output_ids) - 1
-        draft = spec.propose(running.output_ids, limit, policy)
-        if draft is None:
-            return None
+
+    def _run_alone(self, rows: _Rows) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run `rows` through the target on their sequence's caches: (logits [1, V] of a decode row
+        or [1 + n, V] of verify rows, the matching hidden states when the drafter reads them)."""
+        running = rows.running
+        spec = running.speculation
+        batch = Batch.single(rows.ids, offset=running.position, device=self.model.device)
+        if spec is None or not spec.reads_hidden:
+            logits = self.model(batch, running.caches, logits=rows.which)
+            return (logits if rows.verify is None else logits[0]), None
+        hidden = "all" if rows.verify is not None else spec.hidden_rows
+        logits, states = self.model(batch, running.caches, logits=rows.which, hidden=hidden)
+        return (logits if rows.verify is None else logits[0]), states[0]
+
+    def _commit(
+        self, running: _Running, rows: _Rows, logits: torch.Tensor, states: torch.Tensor | None
+    ) -> Event:
+        """Hand `running` what its rows computed: a decode row's logits [1, V] become the next
+        token's distribution; verify rows' logits [1 + n, V] decide the accepted prefix, which is
+        emitted through the stop rules (with the target's own token) and committed. states: the
+        rows' hidden states for a drafter that reads them (else None)."""
+        spec = running.speculation
+        keeps_hidden = spec is not None and spec.keeps_hidden
+        if rows.verify is None:
+            if spec is not None and spec.reads_hidden:
+                spec.observe(running.position, rows.ids, states)
+            if running.session is not None:
+                running.session.advance(rows.ids, states if keeps_hidden else None)
+            running.logits = logits
+            running.position += 1
+            return self._next_token(running)
         tokens: list[int] = []
         texts: list[str] = []
         logprobs: list[TokenLogprob] = []
@@ -617,10 +767,10 @@ class Engine:
                 ended.append((reason, stop_reason))
             return reason is not None
 
-        result = spec.verify(self.model, running.caches, draft, running.position, policy, emit)
+        result = spec.commit(rows.verify, logits, states, rows.policy, emit)
         running.position = result.offset
         if running.session is not None:
-            running.session.advance(result.committed, result.hidden if spec.keeps_hidden else None)
+            running.session.advance(result.committed, result.hidden if keeps_hidden else None)
         if ended:
             reason, stop_reason = ended[0]
             return self._finish(running, reason, stop_reason, tuple(tokens), "".join(texts), tuple(logprobs))
@@ -739,7 +889,9 @@ class Engine:
         request = running.request
         now = time.perf_counter()
         prompt = len(request.prompt_ids)
-        prefilled = prompt - running.cached_tokens if running.prefill_done is not None else 0
+        # A forked choice computed none of its prompt (its usage counts only its own tokens).
+        done = running.prefill_done is not None and not running.forked
+        prefilled = prompt - running.cached_tokens if done else 0
         session = running.session
         usage = Usage(
             prompt,
@@ -761,11 +913,11 @@ class Engine:
         with self.stats.lock:
             s = self.stats
             s.finished[reason] += 1
-            s.prompt_tokens += prompt
+            s.prompt_tokens += 0 if running.forked else prompt
             s.prefilled_tokens += prefilled
             s.cached_tokens += running.cached_tokens
             s.e2e_seconds.observe(now - request.arrival)
-            if running.prefill_done is not None:
+            if done:
                 s.prefill_seconds.observe(running.prefill_done - running.started)
             if first is not None:
                 s.time_to_first_token_seconds.observe(first - request.arrival)
@@ -788,9 +940,10 @@ class Engine:
 
 
 class AsyncStream:
-    """A request's events for asyncio code: `async for event in stream`. Construct it inside the
-    running event loop, or on a worker thread given that `loop` (`submit` validates the whole prompt:
-    a server keeps that off its loop); the engine thread hands events over with
+    """A request's events (of all its choices) for asyncio code: `async for event in stream`.
+    Construct it inside the running event loop, or on a worker thread given that `loop` (`submit`
+    validates the whole prompt: a server keeps that off its loop); the engine thread hands events
+    over with
     `loop.call_soon_threadsafe`."""
 
     def __init__(
@@ -802,10 +955,14 @@ class AsyncStream:
     ):
         loop = loop or asyncio.get_running_loop()
         self._events: asyncio.Queue[Event] = asyncio.Queue()
-        self._done = False
+        self._open = params.n  # choices whose last event has not arrived
         self.request = engine.submit(
             prompt_ids, params, lambda e: loop.call_soon_threadsafe(self._events.put_nowait, e)
         )
+
+    @property
+    def _done(self) -> bool:
+        return self._open == 0
 
     def __aiter__(self) -> AsyncStream:
         return self
@@ -814,7 +971,7 @@ class AsyncStream:
         if self._done:
             raise StopAsyncIteration
         event = await self._events.get()
-        self._done = event.finished
+        self._open -= event.finished
         return event
 
     def cancel(self) -> None:

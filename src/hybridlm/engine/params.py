@@ -69,6 +69,9 @@ class SamplingParams:
     skip_special_tokens: leave special tokens out of the output text.
     speculative: allow speculative decoding when the engine has it (False: decode one token per step).
     grammar: the output must match this `Grammar` (constrained decoding); None: unconstrained.
+    n: samples of the prompt (choices), each its own sequence continuing from the one prefill;
+        choice i samples with seed + i (wrapping at 2**64), so it equals the same request with
+        n = 1 and that seed (greedy: n equal choices).
     """
 
     temperature: float = 1.0
@@ -87,6 +90,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     speculative: bool = True
     grammar: Grammar | None = None
+    n: int = 1
 
     def __post_init__(self) -> None:
         _number("temperature", self.temperature, 0.0, 100.0)
@@ -112,9 +116,18 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", ids)
         if self.logprobs is not None:
             _integer("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        _integer("n", self.n, 1)
         for name in ("ignore_eos", "skip_special_tokens", "speculative"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidParameter(name, f"{name} must be a boolean, got {getattr(self, name)!r}")
+
+    def choice_seed(self, index: int) -> int | None:
+        """The seed of choice `index` (None without a seed): seed + index, wrapped into the range
+        `torch.Generator.manual_seed` takes."""
+        if self.seed is None:
+            return None
+        low, high = _SEED_RANGE
+        return (self.seed + index - low) % (high - low) + low
 
     @property
     def greedy(self) -> bool:

@@ -69,7 +69,9 @@ class Timings:
 class Event:
     """One step's news for one request, in order. `text` is safe to show (never part of a stop string);
     it may be '' while `token_ids` is not (an incomplete character or a possible stop string is held).
-    The last event has `finish_reason` set and carries `usage` and `timings` (and `error` on failure)."""
+    The last event has `finish_reason` set and carries `usage` and `timings` (and `error` on failure).
+    `index`: the choice it belongs to (`SamplingParams.n` > 1: each choice's events are in order and
+    each choice ends with its own last event; the request is over when all have)."""
 
     token_ids: tuple[int, ...] = ()
     text: str = ""
@@ -79,6 +81,7 @@ class Event:
     usage: Usage | None = None
     timings: Timings | None = None
     error: str | None = None
+    index: int = 0
 
     @property
     def finished(self) -> bool:
@@ -102,6 +105,7 @@ class Request:
         self.arrival = time.perf_counter()
         self._cancelled = threading.Event()
         self._on_cancel = on_cancel
+        self.open_choices = set(range(params.n))  # choices whose last event has not been delivered
 
     def cancel(self) -> None:
         """Stop this request (e.g. its client went away); the engine drops it before its next step.

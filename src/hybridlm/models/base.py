@@ -140,13 +140,18 @@ class CausalLM(nn.Module):
 
 @torch.no_grad()
 def forward_packed(
-    model: CausalLM, segments: list[Batch], caches: list[list[LayerCache | None]], rows: list[str]
-) -> list[torch.Tensor]:
+    model: CausalLM,
+    segments: list[Batch],
+    caches: list[list[LayerCache | None]],
+    rows: list[str],
+    hidden: bool = False,
+) -> list[torch.Tensor] | tuple[list[torch.Tensor], list[torch.Tensor]]:
     """One forward over several sequences (`model.packs` must hold): segment i (a B = 1 batch at its own
     offset) advances `caches[i]`; returns per segment float32 logits, [1, V] at its last token for
-    `rows[i] == "last"`, [L_i, V] for "all". Every linear computes each row as a one-row call
-    would (`rowwise`), every mixer runs on the segment alone: each sequence's numbers are those of
-    its own forward, whatever else is packed beside it."""
+    `rows[i] == "last"`, [L_i, V] for "all" (with `hidden`, also the final-normed hidden states of
+    the same rows, [1, d] / [L_i, d], as (logits, hidden)). Every linear computes each row as a
+    one-row call would (`rowwise`), every mixer runs on the segment alone: each sequence's numbers
+    are those of its own forward, whatever else is packed beside it."""
     packed = Packed(segments)
     per_layer = [list(layer) for layer in zip(*caches, strict=True)]
     with rowwise():
@@ -155,8 +160,12 @@ def forward_packed(
         for (lo, hi), which in zip(packed.bounds, rows, strict=True):
             picks.append((hi - 1, hi) if which == "last" else (lo, hi))
         index = torch.cat([torch.arange(a, b) for a, b in picks]).to(h.device)
-        logits = model.head(h[index])
-    return list(logits.split([b - a for a, b in picks]))
+        picked = h[index]
+        logits = model.head(picked)
+    sizes = [b - a for a, b in picks]
+    if hidden:
+        return list(logits.split(sizes)), list(picked.split(sizes))
+    return list(logits.split(sizes))
 
 
 def last_rows(batch: Batch, h: torch.Tensor) -> torch.Tensor:

@@ -178,7 +178,7 @@ class StoreTier:
         self._writer.start()
 
     # ---- availability --------------------------------------------------------------------
-    def _available(self) -> bool:
+    def available(self) -> bool:
         return time.monotonic() >= self._down_until
 
     def _failed(self, what: str, e: Exception) -> None:
@@ -211,7 +211,7 @@ class StoreTier:
         cut edges at different places, so every path is followed, level by level (one pipelined
         round trip per level; paths reaching the same position share the rest). [] when the store
         has nothing or cannot be reached."""
-        if not self._available():
+        if not self.available():
             return []
         self.stats.lookups += 1
         arr = np.asarray(tokens, dtype=np.int32)
@@ -236,7 +236,7 @@ class StoreTier:
                             continue
                         edge = StoreEdge(parent, field.decode(), pos, parsed[1])
                         n = len(edge.tokens)
-                        common = _common(edge.tokens, tokens[pos:])
+                        common = common_length(edge.tokens, tokens[pos:])
                         if common == n:
                             key = h.copy()
                             key.update(arr[pos : pos + n].tobytes())
@@ -259,7 +259,7 @@ class StoreTier:
         """The snapshots of one edge found by `find`, on `device`, by stateful layer; layers: the
         model's stateful layers and the snapshot fields each must have (kind, window). None when the
         entry is gone or unusable (counted, warned about, deleted) or the store cannot be reached."""
-        if not self._available():
+        if not self.available():
             return None
         try:
             raw = self.client.get(f"{self.ns}:node:{edge.parent}:{edge.key}")
@@ -328,7 +328,7 @@ class StoreTier:
         """Queue edge [start, start + len(tokens)) with its snapshot per stateful layer for writing;
         the tensors are taken now (lazy rows copied out; the snapshots stay the caller's). False
         when dropped."""
-        if not self._available():
+        if not self.available():
             self.stats.dropped_writes += 1
             return False
         # Snapshot tensors are never written in place (restores copy out of them) and lazy rows come
@@ -347,7 +347,7 @@ class StoreTier:
 
     def publish(self, keys: list[str]) -> None:
         """Tell the router that this replica holds the prefixes `keys` (sent by the writer thread)."""
-        if self.replica and keys and self._available():
+        if self.replica and keys and self.available():
             self._queue.put(("at", keys))
 
     def flush(self, timeout_s: float = 10.0) -> bool:
@@ -382,7 +382,7 @@ class StoreTier:
 
     def _send(self, parent, key, start, tokens, layers, tensors, nbytes) -> None:
         try:
-            if not self._available():
+            if not self.available():
                 self.stats.dropped_writes += 1
                 return
             meta = {
@@ -420,7 +420,7 @@ class StoreTier:
                 self._queued_bytes -= nbytes
 
 
-def _common(a: list[int], b: list[int]) -> int:
+def common_length(a: list[int], b: list[int]) -> int:
     """Length of the common prefix of two token lists."""
     n = min(len(a), len(b))
     differ = np.flatnonzero(np.asarray(a[:n], dtype=np.int64) != np.asarray(b[:n], dtype=np.int64))
@@ -450,7 +450,7 @@ def import_longer(prefix, keep: list[int]) -> int:
     if not edges:
         return 0
     last = edges[-1]
-    reach = last.start + _common(last.tokens, keep[last.start :])
+    reach = last.start + common_length(last.tokens, keep[last.start :])
     if reach <= matched:
         return 0
     wanted = layer_fields(prefix)

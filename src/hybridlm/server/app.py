@@ -33,6 +33,7 @@ from hybridlm.engine import (
     PromptTooLong,
     QueueFull,
     SamplingParams,
+    Usage,
 )
 from hybridlm.engine.request import CANCELLED, ERROR
 from hybridlm.server import anthropic, errors, metrics, ollama
@@ -49,6 +50,7 @@ from hybridlm.server.protocol import (
     decode_body,
     openapi_schema,
     request_body,
+    total_usage,
 )
 
 log = logging.getLogger(__name__)
@@ -121,8 +123,6 @@ def create_app(
                 param="model",
                 code="model_not_found",
             )
-        if body.n not in (None, 1):
-            raise APIError(400, "only n = 1 is supported", param="n")
         if tokenizer is None and prompt_param == "messages":
             raise APIError(400, "this model has no tokenizer, so it cannot chat", param="messages")
 
@@ -164,7 +164,14 @@ def create_app(
             raise APIError(503, str(e), type="server_error", code="shutting_down") from None
 
     async def collect(stream: AsyncStream, request: Request) -> tuple[Completion, bool]:
-        """All events of a non-streaming request, and whether the client went away (which cancels it)."""
+        """All events of a non-streaming request (n = 1), and whether the client went away (which
+        cancels it)."""
+        results, gone = await collect_choices(stream, request)
+        return results[0], gone
+
+    async def collect_choices(stream: AsyncStream, request: Request) -> tuple[list[Completion], bool]:
+        """Each choice's events of a non-streaming request, by index, and whether the client went
+        away (which cancels it)."""
         gone = False
 
         async def watch_disconnect() -> None:
@@ -176,10 +183,10 @@ def create_app(
 
         watcher = asyncio.create_task(watch_disconnect())
         try:
-            result = Completion()
+            results = [Completion() for _ in range(stream.request.params.n)]
             async for event in stream:
-                result.add(event)
-            return result, gone
+                results[event.index].add(event)
+            return results, gone
         finally:
             watcher.cancel()
             stream.cancel()  # no-op when finished; stops the engine if this handler was cancelled
@@ -187,17 +194,22 @@ def create_app(
     async def sse(
         stream: AsyncStream, responder: Responder, want_logprobs: bool, include_usage: bool
     ) -> AsyncIterator[bytes]:
-        """OpenAI's chunk stream, ending with `data: [DONE]`. Closing it (client gone) cancels the request."""
+        """OpenAI's chunk stream, ending with `data: [DONE]`: each chunk carries one choice (its
+        `index`); the usage chunk (summed over the choices) follows the last choice's end. Closing it
+        (client gone) cancels the request, every choice."""
         try:
+            n = stream.request.params.n
             if responder.kind == "chat":
-                first = {
-                    "index": 0,
-                    "delta": {"role": "assistant", "content": ""},
-                    "logprobs": None,
-                    "finish_reason": None,
-                }
-                yield _json_line(responder.chunk([first], with_usage=include_usage))
-            text_offset = 0
+                for index in range(n):
+                    first = {
+                        "index": index,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                    yield _json_line(responder.chunk([first], with_usage=include_usage))
+            text_offsets = [0] * n
+            usages: dict[int, Usage] = {}
             async for event in stream:
                 if event.finish_reason == ERROR:
                     yield _json_line(
@@ -205,12 +217,15 @@ def create_app(
                     )
                     break
                 if event.text or event.finished or (want_logprobs and event.logprobs):
-                    choice = responder.delta_choice(event, want_logprobs, text_offset)
+                    choice = responder.delta_choice(event, want_logprobs, text_offsets[event.index])
                     if choice is not None:
                         yield _json_line(responder.chunk([choice], with_usage=include_usage))
-                    text_offset += len(event.text)
-                if event.finished and include_usage:
-                    yield _json_line(responder.chunk([], usage=event.usage, with_usage=True))
+                    text_offsets[event.index] += len(event.text)
+                if event.finished:
+                    usages[event.index] = event.usage
+                    if include_usage and len(usages) == n:
+                        usage = total_usage([usages[i] for i in range(n)])
+                        yield _json_line(responder.chunk([], usage=usage, with_usage=True))
             yield b"data: [DONE]\n\n"
         finally:
             stream.cancel()
@@ -231,16 +246,18 @@ def create_app(
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
-        result, gone = await collect(stream, request)
-        if result.finish_reason == ERROR:
-            raise APIError(500, result.error or "generation failed", type="server_error")
-        if result.finish_reason == CANCELLED and gone:
+        results, gone = await collect_choices(stream, request)
+        reasons = {r.finish_reason for r in results}
+        if ERROR in reasons:
+            error = next(r.error for r in results if r.finish_reason == ERROR)
+            raise APIError(500, error or "generation failed", type="server_error")
+        if CANCELLED in reasons and gone:
             # Nobody reads this answer; 499 (nginx's "client closed request") counts it as what it is.
             log.info("event=client_disconnected request=%d", stream.request.id)
             return Response(status_code=499)
-        if result.finish_reason == CANCELLED:
+        if CANCELLED in reasons:
             raise APIError(503, "the request was cancelled (server shutting down)", type="server_error")
-        return JSONResponse(responder.response(result, want_logprobs))
+        return JSONResponse(responder.response(results, want_logprobs))
 
     @app.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
     async def chat_completions(request: Request):

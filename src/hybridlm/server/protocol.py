@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from dataclasses import replace
 from typing import Any, Literal
 
 from fastapi.openapi.utils import get_openapi
@@ -18,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from hybridlm.engine import Completion, Event, InvalidParameter, SamplingParams, TokenLogprob, Usage
 from hybridlm.engine.params import MAX_LOGPROBS
+from hybridlm.engine.request import SpeculativeUsage
 from hybridlm.models.tokenizer import Tokenizer
 from hybridlm.server.chat import ChatPlan, ChatStream, plan_chat, read_answer
 from hybridlm.server.tools import ToolCall
@@ -62,15 +64,19 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+MAX_CHOICES = 128  # OpenAI's bound on n (the engine also caps it at its --max-running)
+
+
 class _GenerationRequest(BaseModel):
     """Fields both endpoints share (OpenAI's, plus vLLM's extras top_k, min_p, repetition_penalty,
     stop_token_ids, ignore_eos, skip_special_tokens, and hybridlm's `speculative`: false opts the
-    request out of speculative decoding)."""
+    request out of speculative decoding). `n` choices are sampled from one prefill, choice i with
+    seed + i."""
 
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    n: int | None = _documented(minimum=1, maximum=1)
+    n: int | None = _documented(minimum=1, maximum=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None
     max_tokens: int | None = _documented(minimum=1)
@@ -103,6 +109,7 @@ class _GenerationRequest(BaseModel):
             "stop": self.stop,
             "stop_token_ids": self.stop_token_ids,
             "logprobs": logprobs,
+            "n": self.n,
         }
         return SamplingParams(
             **{k: v for k, v in given.items() if v is not None},
@@ -256,6 +263,22 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+def total_usage(usages: list[Usage]) -> Usage:
+    """One request's usage from its choices' (as OpenAI counts n > 1): the prompt (and what the
+    prefix cache did for it) once, the completion tokens (and speculative counts) of every choice."""
+    first = usages[0]
+    spec = [u.speculative for u in usages if u.speculative is not None]
+    speculative = None
+    if spec:
+        speculative = SpeculativeUsage(
+            sum(s.drafted_tokens for s in spec),
+            sum(s.accepted_tokens for s in spec),
+            sum(s.verify_passes for s in spec),
+        )
+    completion = sum(u.completion_tokens for u in usages)
+    return replace(first, completion_tokens=completion, speculative=speculative)
+
+
 def usage_body(usage: Usage) -> dict[str, Any]:
     body = {
         "prompt_tokens": usage.prompt_tokens,
@@ -291,7 +314,7 @@ class Responder:
     ):
         self.kind = kind
         self.plan = plan  # chat: how the output is read (reasoning, tool calls)
-        self.stream: ChatStream | None = plan.stream() if plan is not None else None
+        self.streams: dict[int, ChatStream] = {}  # chat with a plan: each choice's output parser
         self.id = new_id("chatcmpl" if kind == "chat" else "cmpl")
         self.created = int(time.time())
         self.model = model
@@ -329,8 +352,18 @@ class Responder:
             "text_offset": offsets,
         }
 
-    def response(self, result: Completion, want_logprobs: bool) -> dict[str, Any]:
-        """The non-streaming body."""
+    def response(self, results: list[Completion], want_logprobs: bool) -> dict[str, Any]:
+        """The non-streaming body: one choice per completion (by index), usage summed over them."""
+        return {
+            "id": self.id,
+            "object": "chat.completion" if self.kind == "chat" else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [self._choice(i, r, want_logprobs) for i, r in enumerate(results)],
+            "usage": usage_body(total_usage([r.usage for r in results])),
+        }
+
+    def _choice(self, index: int, result: Completion, want_logprobs: bool) -> dict[str, Any]:
         logprobs = self.logprobs(result.logprobs) if want_logprobs else None
         reason = result.finish_reason
         if self.kind == "chat" and self.plan is not None:
@@ -340,25 +373,13 @@ class Responder:
                 message["reasoning_content"] = answer.reasoning
             if answer.calls:
                 message["tool_calls"] = [tool_call_body(c) for c in answer.calls]
-            choice = {"index": 0, "message": message}
+            choice = {"index": index, "message": message}
             reason = chat_finish_reason(reason, len(answer.calls))
         elif self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": result.text}}
+            choice = {"index": index, "message": {"role": "assistant", "content": result.text}}
         else:
-            choice = {"index": 0, "text": result.text}
-        choice |= {
-            "logprobs": logprobs,
-            "finish_reason": reason,
-            "stop_reason": result.stop_reason,
-        }
-        return {
-            "id": self.id,
-            "object": "chat.completion" if self.kind == "chat" else "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": [choice],
-            "usage": usage_body(result.usage),
-        }
+            choice = {"index": index, "text": result.text}
+        return choice | {"logprobs": logprobs, "finish_reason": reason, "stop_reason": result.stop_reason}
 
     def chunk(
         self, choices: list[dict[str, Any]], usage: Usage | None = None, with_usage: bool = False
@@ -376,27 +397,33 @@ class Responder:
         return body
 
     def delta_choice(self, event: Event, want_logprobs: bool, text_offset: int) -> dict[str, Any] | None:
-        """The event's streamed choice; None when it has nothing to say (text a parser holds back)."""
+        """The event's streamed choice (its `index`); None when it has nothing to say (text a parser
+        holds back)."""
         logprobs = self.logprobs(event.logprobs, text_offset) if want_logprobs else None
         reason = event.finish_reason
-        if self.stream is not None:
-            delta = self._parsed_delta(event)
+        index = event.index
+        if self.plan is not None:
+            if index not in self.streams:
+                self.streams[index] = self.plan.stream()
+            stream = self.streams[index]
+            delta = self._parsed_delta(stream, event)
             if not delta and not event.finished and not logprobs:
                 return None
-            reason = chat_finish_reason(reason, len(self.stream.calls))
-            choice: dict[str, Any] = {"index": 0, "delta": delta}
+            reason = chat_finish_reason(reason, len(stream.calls))
+            choice: dict[str, Any] = {"index": index, "delta": delta}
         elif self.kind == "chat":
-            choice = {"index": 0, "delta": {"content": event.text} if event.text else {}}
+            choice = {"index": index, "delta": {"content": event.text} if event.text else {}}
         else:
-            choice = {"index": 0, "text": event.text}
+            choice = {"index": index, "text": event.text}
         choice |= {"logprobs": logprobs, "finish_reason": reason}
         if event.finished:
             choice["stop_reason"] = event.stop_reason
         return choice
 
-    def _parsed_delta(self, event: Event) -> dict[str, Any]:
-        """OpenAI's delta for the parts the event's text completes (all the rest when it is the last)."""
-        stream = self.stream
+    @staticmethod
+    def _parsed_delta(stream: ChatStream, event: Event) -> dict[str, Any]:
+        """OpenAI's delta for the parts the event's text completes in its choice's parser `stream`
+        (all the rest when it is the last)."""
         parts = stream.feed(event.text) if event.text else []
         if event.finished:
             parts += stream.close()

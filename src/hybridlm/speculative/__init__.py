@@ -5,12 +5,12 @@ accepted prefix, and adaptive depth."""
 
 from hybridlm.speculative.assistant import Assistant, AssistantDrafter
 from hybridlm.speculative.base import Draft, Drafter, HiddenStateDrafter, TargetCacheDrafter, TargetPolicy
-from hybridlm.speculative.controller import DepthController
+from hybridlm.speculative.controller import DepthController, StepShare
 from hybridlm.speculative.draft import DraftModel, DraftModelDrafter, load_draft
 from hybridlm.speculative.mtp import MTP, MTPDrafter
 from hybridlm.speculative.ngram import NgramDrafter
 from hybridlm.speculative.speculator import RequestSpeculation, SpeculationCounts, Speculator
-from hybridlm.speculative.verify import VerifyResult, commit_caches, verify_and_commit
+from hybridlm.speculative.verify import VerifyResult, VerifyRows, commit_caches, verify_and_commit
 
 __all__ = [
     "Assistant",
@@ -28,8 +28,10 @@ __all__ = [
     "SpeculationCounts",
     "Speculator",
     "TargetCacheDrafter",
+    "StepShare",
     "TargetPolicy",
     "VerifyResult",
+    "VerifyRows",
     "commit_caches",
     "load_draft",
     "verify_and_commit",

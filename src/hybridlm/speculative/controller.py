@@ -1,15 +1,18 @@
 """Adaptive draft length: pick, per round, the number of draft tokens that maximises committed
-tokens per second, from measured costs and acceptance rates; fall back to plain decoding when
-speculation does not pay, probing now and then in case it starts to.
+tokens per second of step time, from measured costs and acceptance rates; fall back to plain
+decoding when speculation does not pay, probing now and then in case it starts to.
 
 Model. With per-position acceptance probability a, a round drafting n tokens commits
-E(n) = 1 + a + … + a^n tokens on average (the accepted prefix plus the target's own token) and
-costs V(n) + n·c: a verify forward over n + 1 tokens (V(0) is a plain decode step) plus drafting.
-The controller maximises E(n) / (V(n) + n·c) over n = 0 … limit. V is learned per depth (typical
-measured seconds, robust to one-off spikes; interpolated / extrapolated linearly between measured
-depths); c,
-the drafter's seconds per draft token, likewise; a per request (seeded by the rate across
-requests, which it also feeds).
+E(n) = 1 + a + … + a^n tokens on average (the accepted prefix plus the target's own token). A
+step is one forward over the rows of every sequence it advances (a plain decode row is 1 row, a
+verify pass 1 + n); T(R), the seconds of a step of R rows, is learned per row count (typical
+measured seconds, robust to one-off spikes; interpolated / extrapolated linearly between
+measured counts), c, the drafter's seconds per draft token, likewise; a per request (seeded by
+the rate across requests, which it also feeds). A sequence deciding its depth in a step whose
+other rows number R_o and are expected to commit E_o tokens maximises the step's
+(E_o + E(n)) / (T(R_o + 1 + n) + n·c): alone (R_o = E_o = 0) that is E(n) / (T(1 + n) + n·c); in a
+big batch on a compute-bound machine T grows steeply with R and every draft row slows all the
+others' tokens too, so drafts get shorter — found by measurement, not assumed.
 """
 
 from __future__ import annotations
@@ -59,6 +62,15 @@ class Cost:
 
 
 @dataclass
+class StepShare:
+    """The rest of a step when a sequence picks its draft depth: `rows` in the step's forward besides
+    its own, expected to commit `tokens` (every undecided sequence counts as one plain row)."""
+
+    rows: int = 0
+    tokens: float = 0.0
+
+
+@dataclass
 class RequestDepth:
     """One request's controller state: its acceptance rate and its back-off schedule.
 
@@ -82,8 +94,8 @@ class DepthController:
     """Chooses draft lengths for every request of one engine (one target model, one drafter kind).
 
     max_depth: most draft tokens per verify pass. prior_acceptance: acceptance assumed before any
-    measurement. cost_slope: prior extra verify cost per draft token, as a fraction of a plain step
-    (until two depths are measured). probe_every / max_probe_every: plain steps between probes while
+    measurement. cost_slope: prior extra step cost per row, as a fraction of a one-row step (until
+    two row counts are measured). probe_every / max_probe_every: plain steps between probes while
     backed off, initially and at most. probe_depth: draft tokens of a probe. explore_every: every
     this many speculative rounds one draft token more than the best is tried, so that a depth whose
     cost was once mismeasured (a busy machine) is measured again. request_decay /
@@ -102,14 +114,14 @@ class DepthController:
     request_decay: float = 0.9
     global_decay: float = 0.98
     cost_weight: float = 0.1
-    _verify: dict[int, Cost] = field(init=False, repr=False)  # seconds per verify pass, by depth
+    _steps: dict[int, Cost] = field(init=False, repr=False)  # seconds per step, by rows in it
     _draft: Cost = field(init=False, repr=False)  # drafter seconds per draft token
     _global: Rate = field(init=False, repr=False)  # acceptance across requests
 
     def __post_init__(self) -> None:
         if self.max_depth < 1:
             raise ValueError(f"max_depth must be >= 1, got {self.max_depth}")
-        self._verify = {}
+        self._steps = {}
         self._draft = Cost(self.cost_weight)
         self._global = Rate(self.prior_acceptance * 4, 4.0, self.global_decay)
 
@@ -126,28 +138,32 @@ class DepthController:
             Rate(prior * 2, 2.0, self.request_decay), self.probe_every, reproducible=reproducible
         )
 
-    def measured_verify_seconds(self) -> dict[int, float]:
-        """Mean seconds of a verify pass by draft length, for the lengths measured (0: plain step)."""
-        return {n: m.value for n, m in sorted(self._verify.items())}
+    def measured_step_seconds(self) -> dict[int, float]:
+        """Typical seconds of a step by its row count, for the counts measured."""
+        return {r: m.value for r, m in sorted(self._steps.items())}
 
-    def verify_seconds(self, n: int) -> float:
-        """Estimated seconds of a verify pass with n draft tokens (n = 0: a plain step), in the
-        units of the measurements (1.0 for a plain step before any). A depth measured fewer than
-        `TRUSTED_SAMPLES` times is estimated at most at what the other depths predict, so a spike
-        there is tried again (and replaced by a faster sample) rather than avoided for good."""
-        known = {d: m.value for d, m in self._verify.items()}
-        if n in known:
-            others = {d: v for d, v in known.items() if d != n}
-            if self._verify[n].count >= TRUSTED_SAMPLES or len(others) < 2:
-                return known[n]
-            return min(known[n], self._predict(others, n))
-        return self._predict(known, n)
+    def step_seconds(self, rows: int) -> float:
+        """Estimated seconds of a step of `rows` rows (≥ 1), in the units of the measurements (1.0
+        for one row before any). A count measured fewer than `TRUSTED_SAMPLES` times is estimated
+        at most at what the other counts predict, so a spike there is tried again (and replaced by
+        a faster sample) rather than avoided for good. Never more than a step with more rows was
+        measured at: more rows cannot take less time, so a higher figure is noise."""
+        known = {r: m.value for r, m in self._steps.items()}
+        if rows in known:
+            others = {r: v for r, v in known.items() if r != rows}
+            if self._steps[rows].count >= TRUSTED_SAMPLES or len(others) < 2:
+                estimate = known[rows]
+            else:
+                estimate = min(known[rows], self._predict(others, rows))
+        else:
+            estimate = self._predict(known, rows)
+        return min([estimate, *(v for r, v in known.items() if r > rows)])
 
     def _predict(self, known: dict[int, float], n: int) -> float:
-        """Seconds at depth n from the measured depths `known`: linear between the nearest ones,
-        extrapolated along the fitted slope beyond them."""
+        """Seconds of a step of n rows from the measured counts `known`: linear between the nearest
+        ones, extrapolated along the fitted slope beyond them."""
         if not known:
-            return 1.0 + self.cost_slope * n
+            return 1.0 + self.cost_slope * (n - 1)
         below = [d for d in known if d < n]
         above = [d for d in known if d > n]
         if below and above:
@@ -157,33 +173,41 @@ class DepthController:
         return max(known[base] + self._slope(known, base) * (n - base), 1e-9)
 
     def _slope(self, known: dict[int, float], base: int) -> float:
-        """Seconds per extra draft token: a least-squares line through the measured depths, or the
-        prior slope relative to the one measured depth."""
+        """Seconds per extra row: a least-squares line through the measured counts, or the prior
+        slope relative to the one measured count."""
         if len(known) < 2:
-            return self.cost_slope * known[base] / (1.0 + self.cost_slope * base)
+            return self.cost_slope * known[base] / (1.0 + self.cost_slope * (base - 1))
         xs, ys = list(known), list(known.values())
         mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
         var = sum((x - mx) ** 2 for x in xs)
         return max(sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var, 0.0)
 
-    def rate(self, n: int, acceptance: float, measured: bool = True) -> float:
-        """Committed tokens per second (in measurement units) of rounds drafting n tokens; with
-        `measured` False from the prior costs alone (plain step 1, no drafting cost)."""
-        expected = sum(acceptance**i for i in range(n + 1))
+    @staticmethod
+    def expected_tokens(n: int, acceptance: float) -> float:
+        """E(n): tokens a round drafting n tokens commits on average (n = 0: a plain step's one)."""
+        return sum(acceptance**i for i in range(n + 1))
+
+    def rate(self, n: int, acceptance: float, measured: bool = True, share: StepShare | None = None) -> float:
+        """Tokens per second (in measurement units) the step commits when this sequence drafts n
+        tokens beside `share` (None: alone); with `measured` False from the prior costs of a step
+        alone (a plain step 1, no drafting cost)."""
+        expected = self.expected_tokens(n, acceptance)
         if not measured:
             return expected / (1.0 + self.cost_slope * n)
+        share = share or StepShare()
         draft = (self._draft.value or 0.0) * n
-        return expected / (self.verify_seconds(n) + draft)
+        return (share.tokens + expected) / (self.step_seconds(share.rows + 1 + n) + draft)
 
-    def depth(self, state: RequestDepth, limit: int) -> int:
+    def depth(self, state: RequestDepth, limit: int, share: StepShare | None = None) -> int:
         """Draft tokens for this request's next round (0: a plain decode step); `limit` caps it
-        (tokens left before max_tokens)."""
+        (tokens left before max_tokens); `share`: the rest of the step it joins (None: alone). A
+        reproducible request ignores `share` (its depths depend on its own outcomes only)."""
         limit = min(limit, self.max_depth)
         if limit < 1:
             return 0
         a = state.acceptance.value
         measured = not state.reproducible
-        best = max(range(limit + 1), key=lambda n: (self.rate(n, a, measured), -n))
+        best = max(range(limit + 1), key=lambda n: (self.rate(n, a, measured, share), -n))
         probed, state.probing = state.probing, False
         if best > 0:
             state.plain_steps = 0
@@ -199,23 +223,17 @@ class DepthController:
         state.probing = True
         return min(self.probe_depth, limit)
 
-    def observe_plain(self, seconds: float) -> None:
-        """A plain decode step took `seconds`."""
-        self._verify.setdefault(0, Cost(self.cost_weight)).add(seconds)
+    def observe_step(self, rows: int, seconds: float) -> None:
+        """A step of `rows` rows (plain decode rows and verify rows, of every sequence it advanced)
+        took `seconds`, from its forward to the last of its tokens being sampled."""
+        self._steps.setdefault(rows, Cost(self.cost_weight)).add(seconds)
 
     def observe_round(
-        self,
-        state: RequestDepth,
-        drafted: int,
-        judged: int,
-        accepted: int,
-        draft_seconds: float,
-        verify_seconds: float,
+        self, state: RequestDepth, drafted: int, judged: int, accepted: int, draft_seconds: float
     ) -> None:
-        """A round drafted `drafted` tokens (≥ 1) in `draft_seconds` and verified them in
-        `verify_seconds`; `judged` of them were compared with the target (not those after the first
-        rejection or a stop), the first `accepted` were accepted."""
+        """A round drafted `drafted` tokens (≥ 1) in `draft_seconds`; `judged` of them were compared
+        with the target (not those after the first rejection or a stop), the first `accepted` were
+        accepted. (The step it ran in is reported with `observe_step`.)"""
         state.acceptance.update(accepted, judged)
         self._global.update(accepted, judged)
-        self._verify.setdefault(drafted, Cost(self.cost_weight)).add(verify_seconds)
         self._draft.add(draft_seconds / drafted)

@@ -12,10 +12,10 @@ import torch
 
 from hybridlm.cache.base import LayerCache
 from hybridlm.speculative.base import Draft, Drafter, HiddenStateDrafter, TargetCacheDrafter, TargetPolicy
-from hybridlm.speculative.controller import DepthController
+from hybridlm.speculative.controller import DepthController, StepShare
 from hybridlm.speculative.draft import DraftModelDrafter
 from hybridlm.speculative.mtp import MTPDrafter
-from hybridlm.speculative.verify import Emit, VerifyResult, verify_and_commit
+from hybridlm.speculative.verify import Emit, VerifyResult, VerifyRows
 
 if TYPE_CHECKING:
     from hybridlm.prefix.cache import Session
@@ -74,14 +74,19 @@ class Speculator:
         independent of timings and other requests (see `RequestDepth`)."""
         return RequestSpeculation(self, prompt_ids, reproducible)
 
+    def observe_step(self, rows: int, seconds: float) -> None:
+        """A decode step of `rows` rows took `seconds` (see `DepthController.observe_step`)."""
+        self.controller.observe_step(rows, seconds)
+
 
 class RequestSpeculation:
     """One request's speculative decoding. Each decode step the engine asks `propose` for a draft
-    (None: decode plainly this step and report the time with `observe_plain`), then `verify`s it.
-    When `reads_hidden`, the engine also hands every other committed target forward (prefill chunks,
-    plain steps) to `observe`, with the rows `hidden_rows` asks for; `verify` reports its own. Before
-    the request's first target forward the engine hands its live caches (and its prefix-cache
-    session, if any) to `attach`."""
+    (None: a plain decode row this step), schedules its verify rows with `verify_rows`, runs them
+    (alone or packed beside other sequences' rows) and hands the logits to `commit`; the step's
+    time goes to `Speculator.observe_step`. When `reads_hidden`, the engine also hands every other
+    committed target forward (prefill chunks, plain steps) to `observe`, with the rows
+    `hidden_rows` asks for; `commit` reports its own. Before the request's first target forward the
+    engine hands its live caches (and its prefix-cache session, if any) to `attach`."""
 
     def __init__(self, owner: Speculator, prompt_ids: list[int], reproducible: bool = False):
         self.owner = owner
@@ -126,10 +131,12 @@ class RequestSpeculation:
         final-normed hidden states there ([1, d], the last one's, when `hidden_rows` is "last")."""
         self.drafter.observe(offset, tokens, hidden)
 
-    def propose(self, output_ids: list[int], limit: int, policy: TargetPolicy) -> Draft | None:
+    def propose(
+        self, output_ids: list[int], limit: int, policy: TargetPolicy, share: StepShare | None = None
+    ) -> Draft | None:
         """A draft continuing prompt + `output_ids` of at most `limit` tokens (the controller picks
-        the length), or None for a plain step."""
-        depth = self.owner.controller.depth(self.depth, limit)
+        the length for a step holding `share` besides it; None: alone), or None for a plain step."""
+        depth = self.owner.controller.depth(self.depth, limit, share)
         if depth == 0:
             return None
         self.run.extend(output_ids[len(self.run) - self.prompt_len :])
@@ -138,38 +145,39 @@ class RequestSpeculation:
         self._draft_seconds = time.perf_counter() - t0
         return draft if len(draft) else None
 
-    def verify(
+    def expected_tokens(self, drafted: int) -> float:
+        """Tokens a round of `drafted` drafts commits on average at this request's acceptance."""
+        return self.owner.controller.expected_tokens(drafted, self.depth.acceptance.value)
+
+    def verify_rows(self, caches: Sequence[LayerCache | None], draft: Draft, offset: int) -> VerifyRows:
+        """Schedule the verify pass of the draft `propose` just returned after the last emitted
+        token, on caches holding `offset` tokens: the rows to run next (see `VerifyRows`)."""
+        return VerifyRows.schedule(caches, self.run[-1], draft, offset)
+
+    def commit(
         self,
-        model,
-        caches: Sequence[LayerCache | None],
-        draft: Draft,
-        offset: int,
+        rows: VerifyRows,
+        logits: torch.Tensor,
+        states: torch.Tensor | None,
         policy: TargetPolicy,
         emit: Emit,
     ) -> VerifyResult:
-        """Verify the draft `propose` just returned after the last emitted token (see
-        `verify_and_commit`) and learn from the outcome."""
-        t0 = time.perf_counter()
-        hidden = self.reads_hidden
-        result = verify_and_commit(model, caches, self.run[-1], draft, offset, policy, emit, hidden)
-        if hidden:  # the drafter's work per committed token is part of the round's cost
-            states = result.hidden if self.hidden_rows == "all" else result.hidden[-1:]
-            self.observe(offset, result.committed, states)
-        seconds = time.perf_counter() - t0
+        """Accept, emit and commit from the verify rows' logits [1 + n, V] (states: [1 + n, d] their
+        hidden states when `reads_hidden`), and learn from the outcome."""
+        result = rows.commit(logits, policy, emit, states)
+        if self.reads_hidden:  # the drafter's work per committed token is part of the round's cost
+            kept = result.hidden if self.hidden_rows == "all" else result.hidden[-1:]
+            self.observe(rows.offset, result.committed, kept)
         if result.stopped and len(result.tokens) == result.accepted:
             judged = result.accepted  # stopped on an accepted draft: the rest was never compared
         else:
             judged = min(result.accepted + 1, result.drafted)
         self.owner.controller.observe_round(
-            self.depth, result.drafted, judged, result.accepted, self._draft_seconds, seconds
+            self.depth, result.drafted, judged, result.accepted, self._draft_seconds
         )
         self.counts.add(result, judged)
         self.owner.totals.add(result, judged)
         return result
-
-    def observe_plain(self, seconds: float) -> None:
-        """A plain decode step (forward and sampling) took `seconds`."""
-        self.owner.controller.observe_plain(seconds)
 
     def close(self) -> None:
         self.drafter.close()

@@ -1,9 +1,11 @@
 """Verify a draft in one target forward and commit only what was accepted, on every cache kind.
 
 The forward runs `[current, d1..dN]` at offset `p` with a restore point scheduled at `p+1 … p+N`
-on every stateful cache (DESIGN.md §3.4), so the state after any accepted prefix is at hand once
-acceptance is decided: KV and sliding caches rewind their live buffer (`restore(None, t)`), scan
-caches (Gated DeltaNet, short conv) restore the checkpoint captured inside the verify scan.
+on every stateful cache (DESIGN.md §3.4) — alone (`verify_and_commit`) or as one segment of a
+packed forward beside other sequences' rows (`VerifyRows`: schedule, run the rows, commit) — so
+the state after any accepted prefix is at hand once acceptance is decided: KV and sliding caches
+rewind their live buffer (`restore(None, t)`), scan caches (Gated DeltaNet, short conv) restore
+the checkpoint captured inside the verify scan.
 
 Acceptance is greedy (exact match with the target's argmax) or rejection sampling (accept `d` with
 probability min(1, p(d)/q(d)); on rejection sample from normalise(max(p − q, 0)); after full
@@ -71,57 +73,89 @@ def verify_and_commit(
     the hidden states of the committed positions (for a `HiddenStateDrafter`).
 
     Captures already pending on the caches (e.g. the prefix cache's prompt restore points, taken
-    when its session closes) are left pending; no capture may be scheduled on entry.
+    when its session closes) are left pending; no capture may be scheduled on entry. An engine
+    packing many sequences into one forward runs the two halves itself (`VerifyRows`).
     """
-    policy = policy or TargetPolicy()
-    ids = [current, *draft.tokens]
-    stateful = [c for c in caches if c is not None]
-    logits, states, captures = forward_with_restore_points(model, caches, ids, offset, hidden)
+    rows = VerifyRows.schedule(caches, current, draft, offset)
     try:
-        tokens, accepted, keep, stopped = _accept(logits, draft, policy, emit)
-        commit_caches(stateful, captures, offset + keep)
-    finally:
-        for snaps in captures:
-            for snap in snaps:
-                snap.free()
-    kept = states[:keep] if states is not None else None
-    return VerifyResult(tokens, ids[:keep], offset + keep, len(draft), accepted, stopped, kept)
-
-
-def forward_with_restore_points(
-    model, caches: Sequence[LayerCache | None], ids: list[int], offset: int, hidden: bool = False
-) -> tuple[torch.Tensor, torch.Tensor | None, list[list[Snapshot]]]:
-    """Run `ids` at `offset` in one forward with a restore point after each token but the last.
-
-    Returns (logits [len(ids), V] float32, the final-normed hidden states [len(ids), d] when
-    `hidden` (else None), per stateful cache the captures ending at offset+1 … offset+len(ids)-1,
-    oldest first). The caller owns (and frees) the captures.
-    """
-    stateful = [c for c in caches if c is not None]
-    # Captures somebody else scheduled earlier are set aside so that `take_snapshots` below returns
-    # exactly this forward's, then handed back for their owner to take.
-    held = [c.take_snapshots() for c in stateful]
-    captures: list[list[Snapshot]] = []
-    try:
-        points = list(range(offset + 1, offset + len(ids)))
-        for c in stateful:
-            c.prepare_snapshots(points)
-        batch = Batch.single(ids, offset=offset, device=model.device)
+        batch = Batch.single(rows.ids, offset=offset, device=model.device)
         if hidden:
             logits, states = model(batch, list(caches), logits="all", hidden="all")
             logits, states = logits[0], states[0]
         else:
             logits, states = model(batch, list(caches), logits="all")[0], None
-        captures = [c.take_snapshots() for c in stateful]
     except BaseException:
-        for c in stateful:  # partial captures of a failed forward
-            for snap in c.take_snapshots():
-                snap.free()
+        rows.abort()
         raise
-    finally:
-        for c, snaps in zip(stateful, held, strict=True):
+    return rows.commit(logits, policy or TargetPolicy(), emit, states)
+
+
+@dataclass
+class VerifyRows:
+    """A verify pass between its two halves: the rows to run (`ids` at `offset`: the current token
+    and the drafts), then `commit` given the forward's logits over them.
+
+    `schedule` sets the captures somebody else scheduled earlier aside and schedules a restore
+    point after each row but the last on every stateful cache; whoever runs the rows (alone, or as
+    one segment of a packed forward) then calls exactly one of `commit` (the forward ran) or
+    `abort` (it failed), which hand the set-aside captures back for their owner to take.
+    """
+
+    stateful: list[LayerCache]
+    ids: list[int]
+    offset: int
+    draft: Draft
+    held: list[list[Snapshot]]
+
+    @classmethod
+    def schedule(
+        cls, caches: Sequence[LayerCache | None], current: int, draft: Draft, offset: int
+    ) -> VerifyRows:
+        stateful = [c for c in caches if c is not None]
+        ids = [current, *draft.tokens]
+        rows = cls(stateful, ids, offset, draft, [c.take_snapshots() for c in stateful])
+        try:
+            for c in stateful:
+                c.prepare_snapshots(list(range(offset + 1, offset + len(ids))))
+        except BaseException:
+            rows.abort()
+            raise
+        return rows
+
+    def _take(self) -> list[list[Snapshot]]:
+        """This pass's captures per stateful cache (the others handed back)."""
+        captures = [c.take_snapshots() for c in self.stateful]
+        for c, snaps in zip(self.stateful, self.held, strict=True):
             c.give_back(snaps)
-    return logits, states, captures
+        return captures
+
+    def abort(self) -> None:
+        """The forward failed: free its partial captures (the caches may stand anywhere)."""
+        for snaps in self._take():
+            for snap in snaps:
+                snap.free()
+
+    def commit(
+        self,
+        logits: torch.Tensor,
+        policy: TargetPolicy,
+        emit: Emit | None = None,
+        states: torch.Tensor | None = None,
+    ) -> VerifyResult:
+        """Accept a prefix of the draft from the forward's logits [len(ids), V] float32, emit, and
+        bring every cache to the accepted offset. states: [len(ids), d] the forward's hidden states
+        (returned for the committed positions), or None."""
+        captures = self._take()
+        try:
+            tokens, accepted, keep, stopped = _accept(logits, self.draft, policy, emit)
+            commit_caches(self.stateful, captures, self.offset + keep)
+        finally:
+            for snaps in captures:
+                for snap in snaps:
+                    snap.free()
+        kept = states[:keep] if states is not None else None
+        end = self.offset + keep
+        return VerifyResult(tokens, self.ids[:keep], end, len(self.draft), accepted, stopped, kept)
 
 
 def commit_caches(
