@@ -472,8 +472,9 @@ def cmd_serve(args) -> int:
         sock,
         api_key=args.api_key or None,
         graceful_timeout=args.graceful_timeout,
-        limits=Limits(max_body=args.max_body, read_timeout=args.read_timeout),
-        max_connections=args.max_connections,
+        limits=Limits(
+            max_body=args.max_body, read_timeout=args.read_timeout, max_connections=args.max_connections
+        ),
         announce=announce,
     )
     return 0

@@ -210,8 +210,10 @@ def test_budgets_hold_after_every_begin_and_close(checkpoints, tmp_path):
         assert_recomputed(model, prompt, first)
     stats = pc.stats
     assert stats.disk_writes and stats.disk_reads and stats.disk_evicted_nodes
-    # The RAM budget alone holds about six nodes; demoted nodes keep nearly all the reuse.
-    assert reused >= 0.85 * best
+    # The RAM budget alone holds about six nodes; demoted nodes keep most of the reuse. (The budget
+    # holds during requests too, so a prefill's restore points compete for those six places as they
+    # are taken: 84% of the oracle's best here, where letting them overshoot until the close kept 94%.)
+    assert reused >= 0.8 * best
 
 
 def test_a_vanished_directory_degrades_to_ram(checkpoints, tmp_path, caplog):

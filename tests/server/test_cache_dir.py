@@ -36,7 +36,8 @@ def read_only_dir(tmp_path, demo_dir):
 
 def test_a_read_only_cache_dir_never_stalls_the_engine(demo_dir, read_only_dir, tmp_path):
     server = ServerProcess(
-        ["--model", str(demo_dir), "--cache-dir", str(read_only_dir), "--cache-ram", "64K"],
+        # A RAM budget that holds about one node (one smaller than any restore point stores nothing).
+        ["--model", str(demo_dir), "--cache-dir", str(read_only_dir), "--cache-ram", "1M"],
         {},
         tmp_path / "log",
     )

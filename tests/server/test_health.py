@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -13,6 +14,12 @@ import pytest
 from hybridlm.engine import Engine
 from hybridlm.server import create_app
 from tests.server.inprocess import running
+
+# What /health may take while a huge prompt is handled: a probe waits at most for one GIL-holding step
+# of the handling on a worker thread (decoding 3.2 M ids: ≤ 0.37 s on a loaded 2-core machine; text:
+# ≤ 0.06 s). The engine's validation on the event loop stalled it 0.9 s for 4 M ids (quiet machine);
+# test_health_answers_while_prompt_ids_are_validated proves that one off the loop exactly.
+HEALTH_BOUND_S = 0.75
 
 
 @pytest.mark.parametrize(
@@ -66,3 +73,54 @@ def test_health_is_503_when_the_engine_thread_is_dead(demo_dir, monkeypatch):
                 assert refused.status_code == 503
 
         asyncio.run(main())
+
+
+def test_health_answers_while_prompt_ids_are_validated(demo_engine, monkeypatch):
+    """The engine's validation reads every prompt id (≈ 1 s for a 15 MiB prompt): it runs off the
+    event loop too — here it blocks until /health has answered."""
+    real = demo_engine.validate
+    entered, release = threading.Event(), threading.Event()
+
+    def slow(*args, **kwargs):
+        entered.set()
+        release.wait(30)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(demo_engine, "validate", slow)
+    with running(create_app(demo_engine, "demo")) as url, ThreadPoolExecutor(1) as pool:
+        body = {"prompt": [1, 2, 3], "max_tokens": 2}
+        pending = pool.submit(httpx.post, url + "/v1/completions", json=body, timeout=60)
+        assert entered.wait(30)
+        try:
+            assert httpx.get(url + "/health", timeout=5).status_code == 200
+        finally:
+            release.set()
+        assert pending.result().status_code == 200
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    [
+        "hello world " * ((16 << 20) // 12 - 100),  # refused untokenized: more characters than fit
+        " ".join(["hello"] * 40_000),  # 40 k tokens: tokenized, then every id validated
+        list(range(1, 500)) * 6_400,  # 3.2 M ids (15.3 MiB of JSON): decoded, then validated
+    ],
+    ids=["16MiB-text", "40k-token-text", "3.2M-ids"],
+)
+def test_health_stays_fast_while_a_huge_prompt_is_handled(server, auth, prompt):
+    """A real server handed a huge prompt (refused as longer than its context once it knows) keeps
+    answering /health quickly all the while."""
+    body = {"model": "demo", "prompt": prompt, "max_tokens": 1}
+    latencies = []
+    with ThreadPoolExecutor(1) as pool, httpx.Client(timeout=30) as probe:
+        url = server.url + "/v1/completions"
+        pending = pool.submit(httpx.post, url, json=body, headers=auth, timeout=120)
+        while not pending.done():
+            t0 = time.perf_counter()
+            assert probe.get(server.url + "/health").status_code == 200
+            latencies.append(time.perf_counter() - t0)
+            time.sleep(0.01)
+        refused = pending.result()
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "context_length_exceeded"
+    assert len(latencies) >= 3  # probed while it was handled
+    assert max(latencies) < HEALTH_BOUND_S, sorted(latencies)[-5:]

@@ -49,11 +49,21 @@ def test_a_stalled_body_gets_408(guarded):
     assert head.startswith(b"HTTP/1.1 408"), head
 
 
-def test_connections_beyond_the_bound_get_503(guarded):
-    """--max-connections 4: with three other connections open, a fourth's request is refused."""
-    idle = [socket.create_connection(("127.0.0.1", guarded.port)) for _ in range(3)]
+def test_connections_beyond_the_bound_get_a_counted_json_503(guarded):
+    """--max-connections 4: with four other connections open, a fifth's request is refused with a 503
+    in OpenAI's error shape, which /metrics counts; once they close, requests are served again."""
+    key = 'hybridlm_http_requests_total{endpoint="%s",status="503"}'
+    before = guarded.metrics()
+    idle = [socket.create_connection(("127.0.0.1", guarded.port)) for _ in range(4)]
     try:
-        assert httpx.get(guarded.url + "/health").status_code == 503
+        deadline = time.monotonic() + 10
+        while (refused := httpx.get(guarded.url + "/v1/models")).status_code != 503:
+            assert time.monotonic() < deadline  # until the server has accepted all four
+            time.sleep(0.05)
+        assert_openai_error(refused, 503, code="too_many_connections")
+        assert refused.headers["retry-after"] == "1"
+        health = httpx.get(guarded.url + "/health")
+        assert (health.status_code, health.json()["error"]["code"]) == (503, "too_many_connections")
     finally:
         for s in idle:
             s.close()
@@ -61,6 +71,9 @@ def test_connections_beyond_the_bound_get_503(guarded):
     while httpx.get(guarded.url + "/health").status_code != 200:
         assert time.monotonic() < deadline
         time.sleep(0.1)
+    after = guarded.metrics()
+    assert after[key % "/v1/models"] - before.get(key % "/v1/models", 0) >= 1
+    assert after[key % "/health"] - before.get(key % "/health", 0) >= 1
 
 
 def test_start_up_summary_then_serving_once_listening(guarded):

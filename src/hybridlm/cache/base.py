@@ -66,6 +66,11 @@ class LayerCache(ABC):
     Capture scheduling: `prepare_snapshots(offsets)` before one or more forwards; every scheduled
     offset a write crosses yields a snapshot covering `[previous capture or prepare offset, o)`,
     taken inside the forward that crossed it; `take_snapshots()` returns them in order.
+
+    `on_forward(tokens)`, when set, is called as a forward of `tokens` tokens first reaches this
+    cache, before it takes any capture: an owner budgeting capture memory makes room there (or
+    `unschedule`s captures, or sets `lean`: captures are then taken in their `compact` form) — see
+    `capture_ends`.
     """
 
     def __init__(self, batch_size: int):
@@ -74,6 +79,8 @@ class LayerCache(ABC):
         self._capture_from = 0
         self._captures: list[Snapshot] = []
         self.record = False
+        self.on_forward: Callable[[int], None] | None = None
+        self.lean = False
 
     @property
     def batch_size(self) -> int:
@@ -98,9 +105,36 @@ class LayerCache(ABC):
         self._capture_from = now
         self.record = ranges or self.record
 
+    @property
+    def capture_start(self) -> int:
+        """Where the next capture begins (the previous capture's end, or the prepare offset)."""
+        return self._capture_from
+
+    def capture_ends(self, tokens: int) -> list[int]:
+        """Scheduled offsets a forward of `tokens` more tokens crosses: each ends a capture, the first
+        beginning at `capture_start`, each next one where the one before ended."""
+        now = max(self.offsets)
+        return [o for o in self._scheduled if now < o <= now + tokens]
+
+    def unschedule(self, offsets: list[int]) -> None:
+        """Take no captures at `offsets` (the next capture then spans them)."""
+        self._scheduled = [o for o in self._scheduled if o not in offsets]
+
+    def _forward_begins(self, tokens: int) -> None:
+        if self.on_forward is not None:
+            self.on_forward(tokens)
+
+    def _keep_capture(self, snap: Snapshot) -> None:
+        self._captures.append(self.compact(snap) if self.lean else snap)
+
     def take_snapshots(self) -> list[Snapshot]:
         """Captures made since `prepare_snapshots`, oldest first; clears the schedule."""
         caps, self._captures, self._scheduled = self._captures, [], []
+        return caps
+
+    def take_captures(self) -> list[Snapshot]:
+        """Captures made since `prepare_snapshots`, oldest first; the schedule goes on."""
+        caps, self._captures = self._captures, []
         return caps
 
     def captures(self) -> tuple[Snapshot, ...]:

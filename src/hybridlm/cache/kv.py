@@ -182,6 +182,7 @@ class KVCache(LayerCache):
     def update(self, batch: Batch, k: torch.Tensor, v: torch.Tensor) -> AttentionHistory:
         """Store k, v [B, H, L, D] at each row's offset; return the history the layer attends over."""
         length = k.shape[2]
+        self._forward_begins(max(batch.query_lens))
         old = self.offsets
         if len(set(old)) == 1:
             self._write(old[0], k, v)
@@ -205,7 +206,7 @@ class KVCache(LayerCache):
     def _capture(self, old: int, new: int) -> None:
         for o in self._crossed(old, new):
             start = self._capture_from
-            self._captures.append(self._lazy_snapshot(start, o))
+            self._keep_capture(self._lazy_snapshot(start, o))
             self._capture_from = o
 
     def _lazy_snapshot(self, start: int, end: int) -> RowsSnapshot:

@@ -126,6 +126,7 @@ class ScanCache(LayerCache):
 
     # ---- the model-facing view -----------------------------------------------------------
     def get(self, batch: Batch) -> RecurrentHistory:
+        self._forward_begins(max(batch.query_lens))
         splits: list[int] = []
         if self._scheduled:
             now = self.offset
@@ -163,7 +164,7 @@ class ScanCache(LayerCache):
                 snap = ScanSnapshot(self._capture_from, o, inputs_, gates_, compact(tail), compact(st))
                 if snap.tail is conv_tail or (state is not None and snap.state is state):
                     snap.tail, snap.state = tail.clone(), None if st is None else st.clone()
-                self._captures.append(snap)
+                self._keep_capture(snap)
                 self._capture_from = o
             if self._captures:
                 self._drop_log_before(self._capture_from)

@@ -941,11 +941,19 @@ class Engine:
 
 class AsyncStream:
     """A request's events (of all its choices) for asyncio code: `async for event in stream`.
-    Construct it inside the running event loop; the engine thread hands events over with
+    Construct it inside the running event loop, or on a worker thread given that `loop` (`submit`
+    validates the whole prompt: a server keeps that off its loop); the engine thread hands events
+    over with
     `loop.call_soon_threadsafe`."""
 
-    def __init__(self, engine: Engine, prompt_ids: list[int], params: SamplingParams):
-        loop = asyncio.get_running_loop()
+    def __init__(
+        self,
+        engine: Engine,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ):
+        loop = loop or asyncio.get_running_loop()
         self._events: asyncio.Queue[Event] = asyncio.Queue()
         self._open = params.n  # choices whose last event has not arrived
         self.request = engine.submit(

@@ -201,6 +201,11 @@ class Tokenizer:
         """The tokenizer as ``tokenizer.json`` text (what grammar libraries build their vocabulary from)."""
         return self._backend.to_str()
 
+    def max_token_chars(self) -> int:
+        """Most characters of one vocabulary entry or added token (byte-level pieces count one per
+        byte): no token stands for more characters of a text than this."""
+        return max(map(len, self._backend.get_vocab(with_added_tokens=True)), default=1)
+
     def token_to_id(self, token: str) -> int | None:
         """Id of one vocabulary entry or added token, or ``None`` if it is not in the vocabulary."""
         return self._backend.token_to_id(token)

@@ -32,11 +32,13 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from dataclasses import dataclass, field
 
 import torch
 
+from hybridlm.batch import Batch
 from hybridlm.cache.base import LayerCache, Snapshot, tensor_bytes
 from hybridlm.cache.kv import KVCache, RowsSnapshot
 from hybridlm.cache.recurrent import ScanCache, ScanSnapshot
@@ -95,6 +97,46 @@ class CapturePlan:
         return sorted(p for p in points if start < p <= prompt_len)
 
 
+@dataclass(frozen=True)
+class CaptureCost:
+    """What a snapshot of one stateful layer covering `span` tokens counts against the RAM budget at
+    most: `fixed` (a checkpoint: conv tail, recurrent state) + `per_token` × span (KV rows, scan-input
+    log); `lean_per_token` for its compact form (`LayerCache.compact`: no log; sliding rows at most
+    the span). Exact for a snapshot with every part; less for one that lacks some."""
+
+    fixed: int
+    per_token: int
+    lean_per_token: int
+
+    def bytes(self, span: int, lean: bool = False) -> int:
+        return self.fixed + (self.lean_per_token if lean else self.per_token) * span
+
+
+def capture_costs(model) -> dict[int, CaptureCost]:
+    """Each stateful layer's `CaptureCost`, measured once on `model` itself (whatever its cache kinds,
+    shapes and dtypes): fresh caches take range captures of 1 and 2 tokens from a 3-token forward,
+    then compact them."""
+    caches = model.make_caches(1)
+    layers = [i for i, c in enumerate(caches) if c is not None]
+    for i in layers:
+        caches[i].prepare_snapshots([1, 3], ranges=True)
+    with torch.no_grad():
+        model(Batch.single([0, 0, 0], device=model.device), caches)
+    costs = {}
+    for i in layers:
+        one, two = caches[i].take_snapshots()
+        full = [_snap_bytes(one), _snap_bytes(two)]
+        one, two = caches[i].compact(one), caches[i].compact(two)
+        lean = [_snap_bytes(one), _snap_bytes(two)]
+        per_token, lean_per_token = max(full[1] - full[0], 0), max(lean[1] - lean[0], 0)
+        fixed = max(full[0] - per_token, lean[0] - lean_per_token, 0)
+        costs[i] = CaptureCost(fixed, per_token, lean_per_token)
+        one.free()
+        two.free()
+        caches[i].free()
+    return costs
+
+
 @dataclass
 class Slot:
     """One set of live caches and the tokens they hold (a root→frontier path of the trie); `session`
@@ -104,6 +146,7 @@ class Slot:
     live: list[int] = field(default_factory=list)
     session: Session | None = None
     opened: int = 0  # when its session began (begin count): the oldest is closed when none is free
+    reserved: int = 0  # bytes its forward in flight may still capture (made room for beforehand)
 
 
 @dataclass
@@ -121,8 +164,9 @@ class Session:
     draft: Session | None = None  # the draft companion's session, its caches restored to `draft.offset`
     # [cached, d] the target's hidden states at the restored positions, when the trie has them all.
     hidden: torch.Tensor | None = None
-    # The hidden states of the positions fed since `cached`, while every forward came with them.
+    # The hidden states of the positions fed since `stored`, while every forward came with them.
     hidden_log: list[torch.Tensor] | None = field(default_factory=list)
+    stored: int = -1  # the trie holds its captures up to here (set to `cached` by begin)
 
     @property
     def caches(self) -> list[LayerCache | None]:
@@ -142,9 +186,12 @@ class Session:
         the target's final-normed hidden states there, if computed (stored with the nodes only when
         every forward of the session came with them)."""
         self.fed.extend(ids)
+        self.slot.reserved = 0  # its captures are in `pending_bytes` now
         if self.offset <= len(self.prompt):  # prefill: its forwards take captures
             self.owner.keep_budget()
         if hidden is None or len(hidden) != len(ids):
+            if self.hidden_log is not None and self.stored > self.cached:
+                self.owner._drop_hidden(self)  # all of the session's nodes have them, or none
             self.hidden_log = None
         elif self.hidden_log is not None:
             self.hidden_log.append(hidden)
@@ -177,6 +224,10 @@ class PrefixCache:
     Valkey / Redis server shared by replicas): a prefix the trie lacks is read from it before a
     restore, and what a session computed is written to it after. draft: a speculative draft model
     (`CausalLM`) whose caches sessions restore too (`Session.draft`), within the same `ram_budget`.
+
+    The RAM budget holds at every instant: whatever adds snapshot bytes makes room first (see
+    "accounting"). `lock` guards the trie: the engine thread holds it while it changes the cache,
+    and a reader on another thread (/metrics) takes it to see a consistent total.
     """
 
     def __init__(
@@ -189,6 +240,9 @@ class PrefixCache:
         store: StoreTier | None = None,
     ):
         self.model = model
+        self.lock = threading.RLock()
+        self.parent: PrefixCache | None = None  # set on a draft companion: the target's cache
+        self.costs = capture_costs(model)
         self.max_sessions = 1
         self.slots: list[Slot] = [self._new_slot()]
         self._current = self.slots[0]
@@ -201,6 +255,8 @@ class PrefixCache:
         self.disk = disk
         self.store = store
         self.draft = None if draft is None else PrefixCache(draft, ram_budget, self.plan)
+        if self.draft is not None:
+            self.draft.parent, self.draft.lock = self, self.lock
         if disk is not None:
             self._adopt()
             self.enforce_budget()
@@ -211,7 +267,11 @@ class PrefixCache:
         for cache in caches:
             if cache is not None:
                 cache.record = True
-        return Slot(caches)
+        slot = Slot(caches)
+        stateful = [c for c in caches if c is not None]
+        if stateful:  # the first stateful layer is reached first in every forward
+            stateful[0].on_forward = lambda tokens: self._before_forward(slot, tokens)
+        return slot
 
     @property
     def caches(self) -> list[LayerCache | None]:
@@ -249,35 +309,139 @@ class PrefixCache:
         return oldest
 
     # ---- accounting ----------------------------------------------------------------------
-    # The RAM budget holds during requests, not only between them. Two things grow snapshot memory
-    # inside a request: captures taken by the prefill's forwards (counted from the forward that takes
-    # them: `pending_bytes`, checked after every prefill forward by `Session.advance`), and lazy trie
-    # snapshots copying their rows out of the live buffer the request overwrites (counted from the
-    # start: a lazy snapshot weighs what it will own, see `budgeted`). The live caches themselves —
-    # the state the running request works in, lazy rows included — are outside the budget:
-    # `pinned_bytes`.
+    # The RAM budget holds at every instant, during requests too: everything that adds counted bytes
+    # makes room for an upper bound of them first (evicting, compacting, or adding less).
+    # - A forward's captures: as it reaches a slot's first stateful layer (`_before_forward`, before
+    #   any capture), room is made for every capture it will take, at `costs` (measured per layer);
+    #   captures that cannot fit are not taken. The reservation ends when `Session.advance` counts
+    #   them (`pending_bytes`), and is counted against the others' room meanwhile.
+    # - A session's close: the last piece and the hidden log, before they are made.
+    # - Loading nodes from disk and importing edges from the store: their size, before the read.
+    # - Lazy trie snapshots copying their rows out of a live buffer: counted at that size from the
+    #   start (`budgeted`), so the copy-out never raises the total.
+    # Outside the budget (`pinned_bytes`): the live caches the running requests work in, their
+    # working restore points (speculative verify / drafter), and their hidden logs until stored.
+    # Not counted: transient copies inside one operation (a split or merge of a snapshot).
     @property
     def nbytes(self) -> int:
         """Bytes counted against the RAM budget: the trie's RAM snapshots (lazy ones at the size of
-        their rows) plus the running prefill's captures not yet kept."""
-        return sum(budgeted(node) for node in self.trie.nodes()) + self.pending_bytes
+        their rows) plus the running prefills' captures not yet kept."""
+        with self.lock:
+            return sum(budgeted(node) for node in self.trie.nodes()) + self.pending_bytes
+
+    def _session_captures(self, slot: Slot) -> tuple[list[Snapshot], list[Snapshot]]:
+        """(captures of `slot`'s session — its prompt's restore points — , other captures: working
+        restore points of a speculative verify or a drafter, which end past the prompt)."""
+        ours, working = [], []
+        limit = -1 if slot.session is None else len(slot.session.prompt)
+        for i in self.layers:
+            for snap in slot.caches[i].captures():
+                (ours if snap.end <= limit else working).append(snap)
+        return ours, working
 
     @property
     def pending_bytes(self) -> int:
         """Bytes of captures the running requests have taken and not yet handed to the trie."""
-        captures = (s for slot in self.slots for i in self.layers for s in slot.caches[i].captures())
-        return sum(_snap_bytes(s) for s in captures)
+        with self.lock:
+            return sum(_snap_bytes(s) for slot in self.slots for s in self._session_captures(slot)[0])
 
     @property
     def pinned_bytes(self) -> int:
-        """Bytes of every slot's live caches (the running requests' state; outside the RAM budget)."""
-        own = sum(c.nbytes for slot in self.slots for c in slot.caches if c is not None)
-        return own + (0 if self.draft is None else self.draft.pinned_bytes)
+        """Bytes the running requests hold outside the RAM budget: every slot's live caches, working
+        restore points and hidden log (and the draft companion's)."""
+        with self.lock:
+            own = 0
+            for slot in self.slots:
+                own += sum(c.nbytes for c in slot.caches if c is not None)
+                own += sum(_snap_bytes(s) for s in self._session_captures(slot)[1])
+                if slot.session is not None and slot.session.hidden_log:
+                    own += tensor_bytes(*slot.session.hidden_log)
+            return own + (0 if self.draft is None else self.draft.pinned_bytes)
 
     @property
     def ram_bytes(self) -> int:
         """Bytes counted against the RAM budget: `nbytes` plus the draft companion's."""
-        return self.nbytes + (0 if self.draft is None else self.draft.nbytes)
+        with self.lock:
+            return self.nbytes + (0 if self.draft is None else self.draft.nbytes)
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Bytes the forwards in flight may still capture (room made for them), the draft's included."""
+        own = sum(slot.reserved for slot in self.slots)
+        return own + (0 if self.draft is None else self.draft.reserved_bytes)
+
+    def _limit(self) -> int:
+        """What this cache's snapshots may count: the RAM budget, or for a draft companion what its
+        target's snapshots and reservations leave of it."""
+        if self.parent is None:
+            return self.ram_budget
+        target = self.parent
+        return max(0, target.ram_budget - target.nbytes - sum(slot.reserved for slot in target.slots))
+
+    def span_cost(self, start: int, ends: list[int], lean: bool = False) -> int:
+        """Most bytes the captures ending at `ends` (the first beginning at `start`) count, over
+        every stateful layer (`lean`: in their compact form)."""
+        spans = [b - a for a, b in zip([start, *ends], ends, strict=False)]
+        return sum(self.costs[i].bytes(n, lean) for i in self.layers for n in spans)
+
+    def make_room(
+        self, nbytes: int, keep: frozenset[int] = frozenset(), delete: bool = True, captures: bool = True
+    ) -> bool:
+        """Evict (as `enforce_budget` does, never the nodes with ids in `keep`; without `delete` only
+        by demoting and compacting) and, if need be and `captures`, compact the running prefills'
+        captures, until `nbytes` more fit the RAM budget beside what is counted and reserved; False
+        when they cannot (then nothing more should be added)."""
+        with self.lock:
+            if self._budget() is None:
+                return True
+            self.enforce_budget(reserve=nbytes, keep=keep, delete=delete)
+            if captures and self._over(nbytes):
+                for slot in self.slots:
+                    for i in self.layers:
+                        slot.caches[i].compact_captures()
+            return not self._over(nbytes)
+
+    def _budget(self) -> int | None:
+        return self.ram_budget if self.parent is None else self.parent.ram_budget
+
+    def _over(self, extra: int = 0) -> bool:
+        """Whether counted + reserved + `extra` bytes exceed what this cache may hold."""
+        counted = self.ram_bytes if self.parent is None else self.nbytes
+        return counted + self.reserved_bytes + extra > self._limit()
+
+    def _before_forward(self, slot: Slot, tokens: int) -> None:
+        """A forward of `tokens` tokens reaches `slot`'s caches: room is made for the captures it will
+        take (when there is none beside the session's earlier captures, those go to the trie first,
+        `_store_captures`, where the budget can demote them) — whole if demoting and compacting
+        other nodes makes it (their scan-input logs are worth less than any node), else in their
+        compact form (`LayerCache.lean`: no scan-input log, so they
+        restore only to their ends), deleting nodes as `enforce_budget` does. Captures that fit
+        neither way are unscheduled in every layer (the next capture spans them), the earliest
+        first: restore points near the prompt's end matter most."""
+        session = slot.session
+        if session is None or session.closed or self._budget() is None:
+            return
+        with self.lock:
+            slot.reserved = 0  # a previous forward's captures, if any, are counted by now
+            first = slot.caches[self.layers[0]]
+            ends = [o for o in first.capture_ends(tokens) if o <= len(session.prompt)]
+            if ends and not self.make_room(self.span_cost(first.capture_start, ends), captures=False):
+                self._store_captures(session)  # no room beside them: make them nodes the budget can demote
+            while ends:
+                full = self.span_cost(first.capture_start, ends)
+                # Whole: by demoting and compacting; by deleting too if it takes at most half the budget
+                # (a bigger one would delete the session's own earlier nodes). Else compact.
+                tries = [(False, False), (False, 2 * full <= self._limit()), (True, True)]
+                for lean, delete in tries:
+                    need = self.span_cost(first.capture_start, ends, lean)
+                    if self.make_room(need, delete=delete):
+                        for i in self.layers:
+                            slot.caches[i].lean = lean
+                        slot.reserved = need
+                        return
+                for i in self.layers:
+                    slot.caches[i].unschedule(ends[:1])
+                ends = ends[1:]
 
     @property
     def disk_bytes(self) -> int:
@@ -302,6 +466,10 @@ class PrefixCache:
         `draft` and a draft companion, also the draft model's caches (`Session.draft`)."""
         if not tokens:
             raise ValueError("a session needs at least one token")
+        with self.lock:
+            return self._begin(tokens, draft)
+
+    def _begin(self, tokens: list[int], draft: bool) -> Session:
         t0 = time.perf_counter()
         keep = tokens[: len(tokens) - 1]
         if self.store is not None:
@@ -324,6 +492,7 @@ class PrefixCache:
                 node.touch(now)
         restore_ms = (time.perf_counter() - t0) * 1e3
         session = Session(self, slot, list(tokens), target, replayed, restore_ms, list(slot.live))
+        session.stored = target
         session.hidden = _hidden_prefix(path, target)
         slot.session = session
         self._begun += 1
@@ -333,6 +502,7 @@ class PrefixCache:
         offsets = self.plan.offsets(target, len(tokens))
         for i in self.layers:
             slot.caches[i].prepare_snapshots(offsets, ranges=True)
+            slot.caches[i].lean = False
         # Nodes loaded from disk (and rows copied out of the live buffers) may have grown RAM.
         self.enforce_budget()
         return session
@@ -343,7 +513,9 @@ class PrefixCache:
         matched, target, replayed). Planning works on disk nodes' stand-ins; the nodes the chosen
         plan uses are then loaded (promoted to RAM) and the plan made again on the real snapshots
         (same reachability, so the same plan). A node that fails to load is dropped with its
-        subtree, which changes the match: start over."""
+        subtree, which changes the match: start over. Room in the RAM budget is made for the nodes
+        before they are loaded (their files' sizes bound their snapshots'); where it cannot be, the
+        restore stops short of the first node that does not fit."""
         while True:
             path, matched = self.trie.match(keep)
             target, plans = self._choose(slot, path, matched, common)
@@ -354,8 +526,13 @@ class PrefixCache:
                 for i, steps in zip(self.layers, plans, strict=True):
                     replayed = max(replayed, self._execute(slot.caches[i], i, steps))
                 return path, matched, target, replayed
+            on_path = frozenset(n.id for n in path)
             for node in stored:
-                if not self._load(node):
+                if not self.make_room(node.file_bytes, keep=on_path):
+                    keep = keep[: node.start]
+                    break
+                # Making room on disk may have deleted it (a disk leaf worth less): match again.
+                if not _attached(node) or not self._load(node):
                     break
 
     def _choose(self, slot: Slot, path: list[Node], matched: int, common: int) -> tuple[int, list]:
@@ -408,40 +585,89 @@ class PrefixCache:
         return replayed
 
     # ---- close: attach and evict ---------------------------------------------------------
-    def _close(self, session: Session) -> None:
+    def _store_captures(self, session: Session) -> None:
+        """Attach the captures `session` has taken to the trie now (as `_close` would): from there the
+        budget can demote them to disk or weigh them against other nodes, and other requests can
+        restore from them. Only its prompt's restore points, and only between forwards."""
         slot = session.slot
+        if not self.layers or slot.caches[self.layers[0]].capture_start > len(session.prompt):
+            return  # a verify or drafter schedule of its own is under way: nothing of the session's
+        captures = {i: slot.caches[i].take_captures() for i in self.layers}
+        ends = [s.end for s in captures[self.layers[0]]]
+        if not ends:
+            return
+        bounds = [session.stored, *ends]
+        empty = [None] * len(ends)
+        pieces = [[captures.get(i, empty)[k] for i in range(len(slot.caches))] for k in range(len(ends))]
+        hidden = None
+        if session.hidden_log:  # the log keeps the rows of the positions not stored yet
+            rows, cut = torch.cat(session.hidden_log), ends[-1] - session.stored
+            hidden, session.hidden_log = rows[:cut], [rows[cut:]]
+        self._insert(session.prompt[: ends[-1]], bounds, pieces, hidden)
+        session.stored = ends[-1]
+        slot.live = session.prompt[: ends[-1]]  # on the live path: its state is in the live caches
+
+    def _drop_hidden(self, session: Session) -> None:
+        """Drop the hidden states of the nodes `session` stored so far."""
+        with self.lock:
+            for node in self.trie.match(session.prompt[: session.stored])[0]:
+                if node.start >= session.cached:
+                    node.hidden = None
+
+    def _close(self, session: Session) -> None:
+        with self.lock:
+            self._close_locked(session)
+        if self.store is not None:
+            publish_path(self, session.fed)
+
+    def _close_locked(self, session: Session) -> None:
+        slot = session.slot
+        slot.reserved = 0
+        self._store_captures(session)
         caches = slot.caches
         end = session.offset
+        # The last piece (from the last capture to the end) and the hidden log are new bytes: room
+        # first, while the captures still count as pending; what finds none is not kept.
+        ends = [s.end for s in caches[self.layers[0]].captures()] if self.layers else []
+        piece = self.span_cost(ends[-1] if ends else session.stored, [end]) if self.layers else 0
+        rows = tensor_bytes(*session.hidden_log) if session.hidden_log else 0
+        last_piece = keep_rows = False
+        if self.layers and end > (ends[-1] if ends else session.stored):
+            if rows and self.make_room(piece + rows):
+                last_piece = keep_rows = True
+            else:
+                last_piece = self.make_room(piece)
+        elif rows:
+            keep_rows = self.make_room(rows)
+        hidden = torch.cat(session.hidden_log) if keep_rows else None
         # Every stateful layer was scheduled the same offsets, so their captures share bounds.
         captures = {i: caches[i].take_snapshots() for i in self.layers}
-        bounds = [session.cached] + [s.end for s in captures.get(self.layers[0], [])] if self.layers else []
+        bounds = [session.stored] + [s.end for s in captures.get(self.layers[0], [])] if self.layers else []
         pieces = [
             [captures[i][k] if i in captures else None for i in range(len(caches))]
             for k in range(len(bounds) - 1)
         ]
-        if self.layers and end > bounds[-1]:
-            last = bounds[-1]
-            pieces.append([c.snapshot(last) if c is not None else None for c in caches])
+        if last_piece:
+            pieces.append([c.snapshot(bounds[-1]) if c is not None else None for c in caches])
             bounds.append(end)
+        elif hidden is not None:
+            hidden = hidden[: bounds[-1] - session.stored]
         slot.live = list(session.fed)
-        hidden = None
-        if session.hidden_log:
-            hidden = torch.cat(session.hidden_log)
         self._insert(session.fed, bounds, pieces, hidden)
         slot.session = None
         self.enforce_budget()
-        if self.store is not None:
-            publish_path(self, session.fed)
 
     def _abandon(self, session: Session) -> None:
-        slot = session.slot
-        for i in self.layers:
-            for snap in slot.caches[i].take_snapshots():
-                snap.free()
-            slot.caches[i].free()
-            slot.caches[i].record = True
-        slot.live = []
-        slot.session = None
+        with self.lock:
+            slot = session.slot
+            slot.reserved = 0
+            for i in self.layers:
+                for snap in slot.caches[i].take_snapshots():
+                    snap.free()
+                slot.caches[i].free()
+                slot.caches[i].record = True
+            slot.live = []
+            slot.session = None
 
     def _insert(
         self,
@@ -453,9 +679,19 @@ class PrefixCache:
         """Attach pieces [bounds[k], bounds[k+1]) of `fed` below what the trie already stores;
         hidden: [bounds[-1] - bounds[0], d] the hidden log of those positions, or None."""
         path, stored = self.trie.match(fed)
-        if path and stored < path[-1].end and path[-1].on_disk and not self._load(path[-1]):
-            # The edge to split could not be loaded and is gone: attach below its parent instead.
-            path, stored = self.trie.match(fed)
+        if path and stored < path[-1].end and path[-1].on_disk:
+            # Splitting an edge on disk loads it: room first, beside the pieces in hand (counted
+            # nowhere now); without room the pieces are not kept.
+            held = sum(_snap_bytes(s) for piece in pieces for s in piece if s is not None)
+            held += 0 if hidden is None else tensor_bytes(hidden)
+            if not self.make_room(path[-1].file_bytes + held, keep=frozenset(n.id for n in path)):
+                for piece in pieces:
+                    _free_all(piece)
+                return
+            if not _attached(path[-1]) or not self._load(path[-1]):
+                # The edge to split is gone (deleted to make room, or unreadable): attach below what
+                # the trie still holds instead.
+                path, stored = self.trie.match(fed)
         if path and path[-1].start < stored < path[-1].end:
             parent = self.trie.split(path[-1], stored, self.caches)
         else:
@@ -485,24 +721,24 @@ class PrefixCache:
             parent = self.trie.attach(parent, fed[lo:hi], snaps, rows)
 
     def keep_budget(self) -> None:
-        """Evict as `enforce_budget` does when the running request's captures took the snapshots
-        over the RAM budget (cheap when they did not); if its captures alone exceed it, they drop
-        their scan-input logs (each still restores to its end)."""
-        if self.ram_budget is None or self.ram_bytes <= self.ram_budget:
-            return
-        self.enforce_budget()
-        if self.ram_bytes > self.ram_budget:
-            for slot in self.slots:
-                for i in self.layers:
-                    slot.caches[i].compact_captures()
+        """After a prefill forward (its reservation released): evict as `enforce_budget` does if what
+        is counted exceeds the budget (it does not when the captures fitted their reservation; cheap
+        then); if the running prefills' captures alone exceed it, they drop their scan-input logs."""
+        with self.lock:
+            if self._budget() is not None and self._over():
+                self.make_room(0)
 
     def live_path(self) -> set[int]:
         """Ids of the nodes on every slot's live path (protected from eviction): the prefixes running
         sequences restored from and the idle slots' frontiers."""
         return {n.id for slot in self.slots for n in self.trie.match(slot.live)[0]}
 
-    def enforce_budget(self) -> None:
-        """Keep the snapshots inside both budgets.
+    def enforce_budget(
+        self, reserve: int = 0, keep: frozenset[int] = frozenset(), delete: bool = True
+    ) -> None:
+        """Keep the snapshots inside both budgets; in RAM, with room for `reserve` more bytes beside
+        what the forwards in flight reserved, never evicting the nodes with ids in `keep` (without
+        `delete`: as far as demoting and compacting go).
 
         RAM, cheapest loss first, off the live path and then on it (its state is still in the live
         caches; only future reuse is at stake): demote nodes into free disk space (nothing is lost),
@@ -512,17 +748,23 @@ class PrefixCache:
         demoting first: docs/architecture.md, "Prefix trie".) Disk: delete the least valuable disk
         leaves (a disk node with RAM nodes below it goes with its subtree, only if no disk leaf is
         left)."""
+        with self.lock:
+            self._enforce(reserve, keep, delete)
+
+    def _enforce(self, reserve: int, keep: frozenset[int], delete: bool = True) -> None:
         protected = self.live_path()
-        if self.ram_budget is not None:
+        if self._budget() is not None:
+            room = self._limit() - reserve - self.reserved_bytes
             total = self.nbytes
             for on_live_path in (False, True):
-                if total <= self.ram_budget:
+                if total <= room:
                     break
-                eligible = lambda n, p=on_live_path: (n.id in protected) == p
-                total = self._demote(total, eligible, displace=False)
-                total = self._compact(total, eligible)
-                total = self._demote(total, eligible, displace=True)
-                total = self._delete(total, eligible)
+                eligible = lambda n, p=on_live_path: (n.id in protected) == p and n.id not in keep
+                total = self._demote(total, eligible, room, displace=False)
+                total = self._compact(total, eligible, room)
+                total = self._demote(total, eligible, room, displace=True)
+                if delete:
+                    total = self._delete(total, eligible, room)
         if self.disk is not None:
             now = time.monotonic()
             while self.disk.nbytes > self.disk.budget:
@@ -534,12 +776,12 @@ class PrefixCache:
             # The draft's snapshots only save draft prefill: they get what the target's leave.
             if self.ram_budget is not None:
                 self.draft.ram_budget = max(0, self.ram_budget - self.nbytes)
-            self.draft.enforce_budget()
+            self.draft._enforce(reserve, frozenset(), delete)
 
-    def _compact(self, total: int, eligible) -> int:
+    def _compact(self, total: int, eligible, room: int) -> int:
         now = time.monotonic()
         for node in sorted(self.trie.nodes(), key=lambda n: self._value(n, now)):
-            if total <= self.ram_budget:
+            if total <= room:
                 break
             if not eligible(node) or node.on_disk:
                 continue
@@ -550,26 +792,26 @@ class PrefixCache:
                 total -= before - budgeted(node)
         return total
 
-    def _demote(self, total: int, eligible, displace: bool) -> int:
-        """Move RAM nodes to disk, least valuable first, until `total` fits the RAM budget; only into
-        free disk space unless `displace` (then less valuable disk leaves make room)."""
-        if self.disk is None or total <= self.ram_budget:
+    def _demote(self, total: int, eligible, room: int, displace: bool) -> int:
+        """Move RAM nodes to disk, least valuable first, until `total` fits `room`; only into free
+        disk space unless `displace` (then less valuable disk leaves make room)."""
+        if self.disk is None or total <= room:
             return total
         now = time.monotonic()
         nodes = [n for n in self.trie.nodes() if eligible(n) and not n.on_disk and budgeted(n)]
         for node in sorted(nodes, key=lambda n: self._value(n, now)):
-            if total <= self.ram_budget:
+            if total <= room:
                 break
             before = budgeted(node)
             if self._store(node, now, displace):
                 total -= before
         return total
 
-    def _delete(self, total: int, eligible) -> int:
-        """Delete RAM nodes, least valuable first, until `total` fits the RAM budget: leaves first,
-        then nodes with only disk nodes below them (those go too: the disk could not take them)."""
+    def _delete(self, total: int, eligible, room: int) -> int:
+        """Delete RAM nodes, least valuable first, until `total` fits `room`: leaves first, then
+        nodes with only disk nodes below them (those go too: the disk could not take them)."""
         now = time.monotonic()
-        while total > self.ram_budget:
+        while total > room:
             ram_below: dict[int, bool] = {}
             for n in reversed(list(self.trie.nodes())):  # children before parents
                 ram_below[n.id] = any(not c.on_disk or ram_below[c.id] for c in n.children.values())
@@ -734,6 +976,11 @@ class PrefixCache:
         node.file, node.file_bytes = stored.name, stored.nbytes
         node.last_used = monotonic_of(stored.last_used)
         return None
+
+
+def _attached(node: Node) -> bool:
+    """Whether `node` is still in the trie (a removed node is unlinked from its parent)."""
+    return node.parent is not None and node.parent.children.get(node.tokens[0]) is node
 
 
 def _hidden_prefix(path: list[Node], target: int) -> torch.Tensor | None:

@@ -455,9 +455,14 @@ def import_longer(prefix, keep: list[int]) -> int:
         return 0
     wanted = layer_fields(prefix)
     bounds, pieces, fed = [], [], []
+    on_path = frozenset(n.id for n in prefix.trie.match(keep)[0])
+    reserved = 0  # the edges read so far are counted nowhere yet: room for them all, and the next
     for edge in edges:
         if edge.end <= matched:
             continue
+        reserved += prefix.span_cost(edge.start, [edge.end])
+        if not prefix.make_room(reserved, keep=on_path):
+            break
         snaps = store.fetch(edge, wanted, prefix.model.device)
         if snaps is None:
             break

@@ -290,7 +290,7 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
             name = "stop_sequences" if e.param == "stop" else e.param
             raise APIError(400, str(e), param=name) from None
         chat, ids = await ctx.offload(plan, ctx, body)
-        stream = ctx.submit(ids, chat.params(params), "messages")
+        stream = await ctx.submit(ids, chat.params(params), "messages")
         message = {
             "id": new_id("msg").replace("-", "_"),
             "type": "message",

@@ -37,9 +37,10 @@ from hybridlm.engine import (
 )
 from hybridlm.engine.request import CANCELLED, ERROR
 from hybridlm.server import anthropic, errors, metrics, ollama
+from hybridlm.server.bounded import BoundedTokenizer
 from hybridlm.server.context import ServerContext
-from hybridlm.server.lifecycle import DrainingServer, timed_protocol
-from hybridlm.server.middleware import CountResponses, LimitBody, RequireKey
+from hybridlm.server.lifecycle import DrainingServer, OpenConnections, timed_protocol
+from hybridlm.server.middleware import CountResponses, LimitBody, LimitConnections, RequireKey
 from hybridlm.server.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -70,10 +71,12 @@ async def offload(fn, /, *args, **kwargs):
 class Limits:
     """What one request may cost the server. max_body: bytes of a request body (413 beyond);
     read_timeout: seconds to receive a request head, and each part of its body (then the connection
-    is closed / 408)."""
+    is closed / 408); max_connections: open connections served at once (a request arriving on one
+    beyond gets 503; None: no bound)."""
 
     max_body: int = 16 << 20
     read_timeout: float = 30.0
+    max_connections: int | None = 256
 
 
 def create_app(
@@ -84,13 +87,18 @@ def create_app(
     limits = limits or Limits()
     app = FastAPI(title="hybridlm", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.draining = False  # set by `serve` on a stop signal
+    app.state.connections = OpenConnections()  # counted by the protocol `serve` runs
     stats = metrics.Metrics(engine, model_name)
     route_paths: set[str] = set()  # filled once every route is defined
     # Added innermost first: counting sees every response, the key is checked before a body is read.
     app.add_middleware(LimitBody, max_bytes=limits.max_body, timeout=limits.read_timeout)
     app.add_middleware(RequireKey, api_key=api_key)
+    connections = app.state.connections
+    limit = limits.max_connections
+    app.add_middleware(LimitConnections, open_connections=lambda: connections.count, limit=limit)
     app.add_middleware(CountResponses, count=stats.count, paths=route_paths)
-    tokenizer = engine.tokenizer
+    # Every route tokenizes through it: a text that cannot fit the context is refused untokenized.
+    tokenizer = engine.tokenizer and BoundedTokenizer(engine.tokenizer, engine.context_length)
     started = int(time.time())
 
     @app.exception_handler(APIError)
@@ -131,11 +139,19 @@ def create_app(
         except InvalidParameter as e:
             raise invalid(e, renames.get(e.param, e.param)) from None
 
-    def submit(prompt_ids: list[int], params: SamplingParams, prompt_param: str) -> AsyncStream:
+    async def submit(prompt_ids: list[int], params: SamplingParams, prompt_param: str) -> AsyncStream:
         if app.state.draining:
             raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
+        # The engine validates every prompt id: off the loop, as tokenizing is. A handler cancelled
+        # meanwhile (its client went away) cancels the request once it is queued.
+        queued = asyncio.ensure_future(
+            offload(AsyncStream, engine, prompt_ids, params, asyncio.get_running_loop())
+        )
         try:
-            return AsyncStream(engine, prompt_ids, params)
+            return await asyncio.shield(queued)
+        except asyncio.CancelledError:
+            queued.add_done_callback(lambda f: f.cancelled() or f.exception() or f.result().cancel())
+            raise
         except PromptTooLong as e:
             raise invalid(e, prompt_param, "context_length_exceeded") from None
         except InvalidParameter as e:
@@ -222,7 +238,7 @@ def create_app(
         prompt_param: str,
         request: Request,
     ):
-        stream = submit(prompt_ids, params, prompt_param)
+        stream = await submit(prompt_ids, params, prompt_param)
         want_logprobs = params.logprobs is not None
         if body.stream:
             return StreamingResponse(
@@ -326,12 +342,10 @@ def serve(
     api_key: str | None = None,
     graceful_timeout: float = 30.0,
     limits: Limits | None = None,
-    max_connections: int = 256,
     announce: Callable[[], None] | None = None,
 ) -> None:
     """Serve on the listening socket `sock` (`lifecycle.listen`) until SIGTERM / SIGINT, then drain
     (`lifecycle.DrainingServer`: at most `graceful_timeout` seconds), close the engine and return.
-    `max_connections`: requests beyond it while that many connections are open get 503;
     `announce()` runs once the server accepts connections."""
     limits = limits or Limits()
     level = logging.getLogger("hybridlm").getEffectiveLevel()
@@ -340,8 +354,9 @@ def serve(
         app,
         log_level=level,
         access_log=level <= logging.INFO,
-        http=timed_protocol(limits.read_timeout),
-        limit_concurrency=max_connections,
+        # Counts connections for `LimitConnections` (uvicorn's limit_concurrency stays off: its 503
+        # is plain text that the app never sees).
+        http=timed_protocol(limits.read_timeout, app.state.connections),
         # The drain has let every response finish: what remains are idle connections to close.
         timeout_graceful_shutdown=1.0,
     )

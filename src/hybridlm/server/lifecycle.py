@@ -29,10 +29,19 @@ def listen(host: str, port: int) -> socket.socket:
     return socket.create_server((host, port), family=family, backlog=2048)
 
 
-def timed_protocol(head_timeout: float) -> type[H11Protocol]:
+class OpenConnections:
+    """How many HTTP connections are open: counted by `timed_protocol`'s protocol (asyncio's
+    `connection_made` / `connection_lost`), read by `middleware.LimitConnections`."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+
+def timed_protocol(head_timeout: float, connections: OpenConnections | None = None) -> type[H11Protocol]:
     """uvicorn's h11 protocol with a deadline: a connection that has not delivered a complete request
     head within `head_timeout` seconds (of opening, or of its previous response) is closed, so a client
-    trickling header bytes cannot hold it open."""
+    trickling header bytes cannot hold it open. Open connections are counted in `connections`."""
+    connections = connections or OpenConnections()
 
     class TimedH11(H11Protocol):
         _deadline: asyncio.TimerHandle | None = None
@@ -52,6 +61,7 @@ def timed_protocol(head_timeout: float) -> type[H11Protocol]:
                 self.transport.close()
 
         def connection_made(self, transport) -> None:
+            connections.count += 1
             super().connection_made(transport)
             self._arm()
 
@@ -66,6 +76,7 @@ def timed_protocol(head_timeout: float) -> type[H11Protocol]:
             super().on_response_complete()
 
         def connection_lost(self, exc) -> None:
+            connections.count -= 1
             self._disarm()
             super().connection_lost(exc)
 
@@ -74,7 +85,13 @@ def timed_protocol(head_timeout: float) -> type[H11Protocol]:
 
 class DrainingServer(uvicorn.Server):
     """uvicorn's server that drains the engine on the first stop signal (see the module docstring).
-    `draining(True)` tells the app to refuse new work; `announce()` runs once listening."""
+    `draining(True)` tells the app to refuse new work; `announce()` runs once listening.
+
+    uvicorn has no public drain hook (its shutdown closes the listener before anything else, so
+    /health could not answer 503, and its lifespan shutdown comes after the connections are gone):
+    this overrides `Server.startup` and the signal handler `Server.handle_exit`, and stops it through
+    `should_exit` — names without an underscore, but not a documented API, so pyproject pins the
+    uvicorn versions this was tested with (as for `timed_protocol`'s use of `H11Protocol`)."""
 
     def __init__(
         self,
@@ -101,7 +118,6 @@ class DrainingServer(uvicorn.Server):
     def handle_exit(self, sig: int, frame) -> None:
         if self._loop is None or self._drain is not None or self.should_exit:
             return super().handle_exit(sig, frame)  # not serving yet, or a second signal: stop now
-        self._captured_signals.append(sig)
         self.draining(True)
         self._loop.call_soon_threadsafe(self._start_drain)
 
@@ -124,8 +140,6 @@ class DrainingServer(uvicorn.Server):
             )
         # Cancels what is left; each request still gets its last event (final chunk, then [DONE]).
         await asyncio.to_thread(engine.close, 10.0)
-        # Let the handlers send those last events (the /health probes of the drain count too).
-        flush_until = max(deadline, loop.time() + 1.0)
-        while len(self.server_state.tasks) > 0 and loop.time() < flush_until:
-            await asyncio.sleep(0.02)
+        # uvicorn's own shutdown lets the handlers send those last events (for at most the config's
+        # timeout_graceful_shutdown) and closes the idle connections.
         self.should_exit = True

@@ -123,23 +123,21 @@ class EngineCollector(Collector):
 
 
 def _prefix_cache(prefix):
-    """Prefix-cache gauges and counters (read without the engine lock: a scrape may see one request's
-    update half done, which Prometheus tolerates)."""
+    """Prefix-cache gauges and counters. Bytes and nodes are read under the cache's lock (the trie is
+    consistent: the RAM figure is the budgeted total at that instant); counters without it."""
     stats = prefix.stats
     tiers = ("tier",)
+    with prefix.lock:
+        ram, disk, pinned = prefix.ram_bytes, prefix.disk_bytes, prefix.pinned_bytes
+        nodes = [(("ram",), prefix.ram_nodes), (("disk",), prefix.disk_nodes)]
     yield _gauge(
         "prefix_cache_bytes",
-        "Prefix-cache bytes by tier: ram (what --cache-ram covers), disk, pinned (the running request's "
-        "live caches, outside the budget).",
-        [(("ram",), prefix.ram_bytes), (("disk",), prefix.disk_bytes), (("pinned",), prefix.pinned_bytes)],
+        "Prefix-cache bytes by tier: ram (what --cache-ram covers), disk, pinned (the running requests' "
+        "live caches, working restore points and hidden logs, outside the budget).",
+        [(("ram",), ram), (("disk",), disk), (("pinned",), pinned)],
         tiers,
     )
-    yield _gauge(
-        "prefix_cache_nodes",
-        "Nodes in the prefix trie, by tier.",
-        [(("ram",), prefix.ram_nodes), (("disk",), prefix.disk_nodes)],
-        tiers,
-    )
+    yield _gauge("prefix_cache_nodes", "Nodes in the prefix trie, by tier.", nodes, tiers)
     yield _counter("prefix_cache_hits", "Requests that reused a cached prefix.", [((), stats.hits)])
     yield _counter(
         "prefix_cache_misses",

@@ -88,6 +88,29 @@ class RequireKey:
         await self.app(scope, receive, send)
 
 
+class LimitConnections:
+    """With more than `limit` connections open (`open_connections()`), a request is answered 503 at
+    once, in its API's error shape, with `Retry-After: 1` and the connection closed. (uvicorn's own
+    `limit_concurrency` answers plain text, outside the app, so /metrics would not count it.)"""
+
+    def __init__(self, app, open_connections: Callable[[], int], limit: int | None):
+        self.app = app
+        self.open_connections = open_connections
+        self.limit = limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and self.limit is not None and self.open_connections() > self.limit:
+            error = APIError(
+                503,
+                f"too many connections: this server serves at most {self.limit} at once; retry shortly",
+                type="server_error",
+                code="too_many_connections",
+            )
+            headers = [(b"retry-after", b"1"), (b"connection", b"close")]
+            return await send_json(send, 503, errors.body(scope["path"], error), headers)
+        await self.app(scope, receive, send)
+
+
 class LimitBody:
     """Request bodies of at most `max_bytes` (413 beyond: at once when Content-Length says so, else as
     soon as the bytes received pass it), each part arriving within `timeout` seconds of the last

@@ -245,7 +245,7 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
         need_tokenizer()
         params = sampling_params(body.options)
         chat_plan, ids = await ctx.offload(plan, body.messages, body.tools, body.format, body.think)
-        stream = ctx.submit(ids, chat_plan.params(params), "messages")
+        stream = await ctx.submit(ids, chat_plan.params(params), "messages")
         return await answer(request, stream, chat_plan, "message", body.stream)
 
     @app.post("/api/generate")
@@ -260,7 +260,7 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
             messages = [{"role": "system", "content": body.system}] if body.system else []
             messages.append({"role": "user", "content": body.prompt})
             chat_plan, ids = await ctx.offload(plan, messages, None, body.format, body.think)
-        stream = ctx.submit(ids, chat_plan.params(params), "prompt")
+        stream = await ctx.submit(ids, chat_plan.params(params), "prompt")
         return await answer(request, stream, chat_plan, "response", body.stream)
 
     def card() -> dict[str, Any]:
