@@ -30,12 +30,11 @@ from torch import nn
 from hybridlm.models.base import CausalLM
 from hybridlm.models.loader import (
     CheckpointError,
-    check_tensors,
     default_device,
-    placed,
     read_tensors,
     weight_files,
 )
+from hybridlm.models.quantized import assign_state
 from hybridlm.ops.quant import QuantLinear, to_panels
 
 __all__ = ["dequantize_gptq", "is_gptq", "load_gptq"]
@@ -168,19 +167,6 @@ def load_gptq(cls: type[CausalLM], root: Path, raw: dict, dtype: torch.dtype | N
             setattr(model.get_submodule(parent_name), attr, empty)
     for name, q in quantized.items():
         state[f"{name}.qweight"], state[f"{name}.scales"] = q.qweight, q.scales
-    expected = {k: v.shape for k, v in model.state_dict().items()}
-    tie = model.tied and isinstance(model.lm_head, nn.Linear)  # a quantized head is its own
-    if tie:
-        expected.pop("lm_head.weight", None)
-    check_tensors(state, expected, source, root)
-
-    def keeps_dtype(name: str, t: torch.Tensor) -> bool:
-        return not t.is_floating_point() or name.endswith(".scales")
-
-    state = {k: placed(v, device, v.dtype if keeps_dtype(k, v) else dtype) for k, v in state.items()}
-    model.load_state_dict(state, strict=False, assign=True)
-    if tie:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    model.eval()
+    assign_state(model, state, source, root, dtype, device)
     model.quantization = {"scheme": "int4", "group_size": next(iter(quantized.values())).group_size}
     return model

@@ -137,6 +137,28 @@ def _empty_layer(layer: nn.Linear, q: torch.Tensor, scales: torch.Tensor | None,
         raise CheckpointError(f"{what}: {e}") from None
 
 
+def assign_state(
+    model: CausalLM, state: dict[str, torch.Tensor], source: dict[str, str], root: Path, dtype, device
+) -> None:
+    """Check `state` against the (meta) model with its quantized layers in place, then assign it: float
+    tensors in `dtype`, integer weights and scales as stored, on `device`; a float LM head tied to
+    the embedding shares it (a quantized head is its own)."""
+    expected = {k: v.shape for k, v in model.state_dict().items()}
+    tie = model.tied and isinstance(model.lm_head, nn.Linear)
+    if tie:
+        expected.pop("lm_head.weight", None)
+    check_tensors(state, expected, source, root)
+
+    def keeps_dtype(name: str, t: torch.Tensor) -> bool:
+        return not t.is_floating_point() or name.endswith(".scales")
+
+    state = {k: placed(v, device, v.dtype if keeps_dtype(k, v) else dtype) for k, v in state.items()}
+    model.load_state_dict(state, strict=False, assign=True)
+    if tie:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.eval()
+
+
 def load_quantized(cls, root: Path, raw: dict, dtype: torch.dtype | None = None, device=None) -> CausalLM:
     """Build `cls` from a quantized checkpoint directory `root` (config.json contents `raw`), all or
     nothing: every tensor is checked (name, shape, dtype of the quantized ones)."""
@@ -162,20 +184,7 @@ def load_quantized(cls, root: Path, raw: dict, dtype: torch.dtype | None = None,
                 raise CheckpointError(f"{where}: {name!r} is not a linear layer")
             setattr(parent, attr, _empty_layer(layer, state[name + ".qweight"], state.get(name + ".scales"),
                                                f"{where}: {name!r}"))
-    expected = {k: v.shape for k, v in model.state_dict().items()}
-    tie = model.tied and isinstance(model.lm_head, nn.Linear)
-    if tie:
-        expected.pop("lm_head.weight", None)
-    check_tensors(state, expected, source, root)
-
-    def keeps_dtype(name: str, t: torch.Tensor) -> bool:
-        return not t.is_floating_point() or name.endswith(".scales")
-
-    state = {k: placed(v, device, v.dtype if keeps_dtype(k, v) else dtype) for k, v in state.items()}
-    model.load_state_dict(state, strict=False, assign=True)
-    if tie:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    model.eval()
+    assign_state(model, state, source, root, dtype, device)
     quant = raw["quantization_config"]
     model.quantization = {"scheme": quant.get("scheme"), "group_size": quant.get("group_size")}
     return model
