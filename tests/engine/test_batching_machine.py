@@ -142,25 +142,18 @@ class BatchingMachine(RuleBasedStateMachine):
         return self.solo_cache[key]
 
 
-@pytest.mark.parametrize(
-    ("dtype", "with_prefix"),
-    # bf16 without a prefix cache: every output bit-identical to its solo run. float32 with the prefix
-    # cache: a hit's restored state was computed in other chunks than a solo prefill, which rounds
-    # differently in bf16 (as for one request alone); float32 keeps argmax comparisons exact.
-    [(torch.bfloat16, False), (torch.float32, True)],
-)
-def test_outputs_do_not_depend_on_what_else_runs(demo_dir, dtype, with_prefix, monkeypatch):
-    import hybridlm
-
+def run_machine(monkeypatch, lm, with_prefix: bool) -> dict[str, int]:
+    """Run `BatchingMachine`'s examples on `lm`, noting per packed forward how many verify segments
+    it ran and whether verify rows shared it with plain rows; returns what the examples exercised."""
     packed = engine_module.forward_packed
 
-    def watched(model, segments, caches, rows, hidden=False):
+    def watched(model, segments, caches, rows, *rest, **options):
         BatchingMachine._note("verify_segments", sum(s.query_lens[0] > 1 for s in segments))
         BatchingMachine._note("mixed", int(0 < rows.count("all") < len(rows)))
-        return packed(model, segments, caches, rows, hidden)
+        return packed(model, segments, caches, rows, *rest, **options)
 
     monkeypatch.setattr(engine_module, "forward_packed", watched)
-    BatchingMachine.lm = hybridlm.load_model(demo_dir, dtype=dtype).lm
+    BatchingMachine.lm = lm
     BatchingMachine.with_prefix = with_prefix
     BatchingMachine.solo_cache = {}
     BatchingMachine.seen = {}
@@ -173,8 +166,21 @@ def test_outputs_do_not_depend_on_what_else_runs(demo_dir, dtype, with_prefix, m
         derandomize=True,
     )
     run().runTest()
+    return BatchingMachine.seen
+
+
+@pytest.mark.parametrize(
+    ("dtype", "with_prefix"),
+    # bf16 without a prefix cache: every output bit-identical to its solo run. float32 with the prefix
+    # cache: a hit's restored state was computed in other chunks than a solo prefill, which rounds
+    # differently in bf16 (as for one request alone); float32 keeps argmax comparisons exact.
+    [(torch.bfloat16, False), (torch.float32, True)],
+)
+def test_outputs_do_not_depend_on_what_else_runs(demo_dir, dtype, with_prefix, monkeypatch):
+    import hybridlm
+
+    seen = run_machine(monkeypatch, hybridlm.load_model(demo_dir, dtype=dtype).lm, with_prefix)
     # The examples did exercise what the property is about.
-    seen = BatchingMachine.seen
     assert seen["running"] > 1 and seen["cancelled"] and seen["verify_passes"]
     # Several sequences' verify rows in one forward, and verify rows beside plain decode rows.
     assert seen["verify_segments"] >= 2 and seen["mixed"], seen

@@ -6,14 +6,13 @@ from __future__ import annotations
 import random
 
 import pytest
-from hypothesis import HealthCheck, settings
 
 import hybridlm.engine.engine as engine_module
 from hybridlm.engine import Engine, SamplingParams
 from hybridlm.models import load_model
 from hybridlm.speculative import NgramDrafter, Speculator
 from tests.engine.test_batching import run_together
-from tests.engine.test_batching_machine import BatchingMachine
+from tests.engine.test_batching_machine import run_machine
 
 FAMILIES = ["qwen3_5_text", "qwen3_next", "lfm2", "gemma3_text", "gemma4_text", "gemma4_moe", "dense_qwen3"]
 
@@ -61,25 +60,5 @@ def test_random_arrivals_and_cancellations_leave_every_family_exact(checkpoints,
     """The stateful batching property (random arrivals, cancellations, speculative / plain requests;
     each output equals its solo run in bf16) on the families beside the demo model's; verify rows
     (multi-row segments) share packed forwards."""
-    real = engine_module.forward_packed
-
-    def watched(model, segments, *rest):
-        BatchingMachine._note("verify_segments", sum(s.query_lens[0] > 1 for s in segments))
-        return real(model, segments, *rest)
-
-    monkeypatch.setattr(engine_module, "forward_packed", watched)
-    BatchingMachine.lm = load_model(checkpoints(name).path, device="cpu")
-    BatchingMachine.with_prefix = False
-    BatchingMachine.solo_cache = {}
-    BatchingMachine.seen = {}
-    run = BatchingMachine.TestCase
-    run.settings = settings(
-        max_examples=8,
-        stateful_step_count=14,
-        deadline=None,
-        suppress_health_check=list(HealthCheck),
-        derandomize=True,
-    )
-    run().runTest()
-    seen = BatchingMachine.seen
+    seen = run_machine(monkeypatch, load_model(checkpoints(name).path, device="cpu"), False)
     assert seen["running"] > 1 and seen["cancelled"] and seen["verify_segments"] >= 1, seen

@@ -22,6 +22,28 @@ from tests.server.inprocess import running
 HEALTH_BOUND_S = 0.75
 
 
+def health_answers_while_blocked(engine, monkeypatch, owner, method: str, path: str, body: dict) -> None:
+    """Send `body` to `path` with `owner.method` blocked until /health has answered: /health answers
+    200 meanwhile (so that work runs off the event loop), and the request then succeeds."""
+    real = getattr(owner, method)
+    entered, release = threading.Event(), threading.Event()
+
+    def slow(*args, **kwargs):
+        entered.set()
+        release.wait(30)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, method, slow)
+    with running(create_app(engine, "demo")) as url, ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(httpx.post, url + path, json=body, timeout=60)
+        assert entered.wait(30)
+        try:
+            assert httpx.get(url + "/health", timeout=5).status_code == 200
+        finally:
+            release.set()
+        assert pending.result().status_code == 200
+
+
 @pytest.mark.parametrize(
     ("method", "path", "body"),
     [
@@ -33,24 +55,8 @@ HEALTH_BOUND_S = 0.75
 def test_health_answers_while_a_prompt_is_prepared(demo_engine, monkeypatch, method, path, body):
     """Tokenization and template rendering (seconds for a 16 MiB prompt) run off the event loop:
     here they block until /health has answered."""
-    tokenizer = demo_engine.tokenizer
-    real = getattr(tokenizer, method)
-    entered, release = threading.Event(), threading.Event()
-
-    def slow(*args, **kwargs):
-        entered.set()
-        release.wait(30)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(tokenizer, method, slow)
-    with running(create_app(demo_engine, "demo")) as url, ThreadPoolExecutor(1) as pool:
-        pending = pool.submit(httpx.post, url + path, json={**body, "max_tokens": 2}, timeout=60)
-        assert entered.wait(30)
-        try:
-            assert httpx.get(url + "/health", timeout=5).status_code == 200
-        finally:
-            release.set()
-        assert pending.result().status_code == 200
+    health_answers_while_blocked(demo_engine, monkeypatch, demo_engine.tokenizer, method, path,
+                                 {**body, "max_tokens": 2})
 
 
 def test_health_is_503_when_the_engine_thread_is_dead(demo_dir, monkeypatch):
@@ -78,24 +84,8 @@ def test_health_is_503_when_the_engine_thread_is_dead(demo_dir, monkeypatch):
 def test_health_answers_while_prompt_ids_are_validated(demo_engine, monkeypatch):
     """The engine's validation reads every prompt id (≈ 1 s for a 15 MiB prompt): it runs off the
     event loop too — here it blocks until /health has answered."""
-    real = demo_engine.validate
-    entered, release = threading.Event(), threading.Event()
-
-    def slow(*args, **kwargs):
-        entered.set()
-        release.wait(30)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(demo_engine, "validate", slow)
-    with running(create_app(demo_engine, "demo")) as url, ThreadPoolExecutor(1) as pool:
-        body = {"prompt": [1, 2, 3], "max_tokens": 2}
-        pending = pool.submit(httpx.post, url + "/v1/completions", json=body, timeout=60)
-        assert entered.wait(30)
-        try:
-            assert httpx.get(url + "/health", timeout=5).status_code == 200
-        finally:
-            release.set()
-        assert pending.result().status_code == 200
+    body = {"prompt": [1, 2, 3], "max_tokens": 2}
+    health_answers_while_blocked(demo_engine, monkeypatch, demo_engine, "validate", "/v1/completions", body)
 
 
 @pytest.mark.parametrize(
