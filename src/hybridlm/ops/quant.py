@@ -12,8 +12,10 @@ bf16 weight's bytes, int4 (with one bf16 scale per group of 64) reads 4.25 bits 
 
 Few-row bf16 CPU inputs (decode, speculative verify: up to ``FEW_TOKENS`` rows) run the C kernels of
 ``csrc/quant.c``, which read the packed weights directly and compute each row as they would alone.
-Larger inputs (prefill) dequantize the weight to bf16 in slabs of rows and use the bf16 GEMM
-(``F.linear``); so do other devices and dtypes (where the whole weight is dequantized by torch).
+Larger bf16 CPU inputs (prefill) on a CPU with AVX-512 VNNI quantize their activations to int8 per
+row and multiply in integers (`quant_gemm`: about 5-7× the bf16 GEMM's speed without AMX). Elsewhere
+they dequantize the weight to bf16 in slabs of rows and use the bf16 GEMM (``F.linear``); so do
+other devices and dtypes (where the whole weight is dequantized by torch).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from torch import nn
 
 from hybridlm.ops.linear import in_row_groups, rowwise_applies
 from hybridlm.ops.native import FEW_TOKENS, NativeKernel
+from hybridlm.ops.quant_gemm import int4_prefill, int8_prefill, prefill_applies
 
 __all__ = [
     "QUANTIZATIONS", "QuantLinear", "from_panels", "pack_int4", "quantize_", "to_panels", "unpack_int4",
@@ -224,6 +227,10 @@ class QuantLinear(nn.Module):
                 # Packed decode rows of many sequences: each row as a one-row call computes it.
                 group = FEW_TOKENS if self._kernel_applies(x.reshape(-1, self.in_features)[:1]) else 1
                 return in_row_groups(x, group, self.forward, self.out_features)
+            if prefill_applies(x, self.qweight) and (self.bias is None or self.bias.dtype is torch.bfloat16):
+                y = self._forward_integer(x.reshape(-1, self.in_features))
+                if y is not None:
+                    return y.view(*x.shape[:-1], self.out_features)
             return self._forward_dequantized(x)
         if not x.is_contiguous():
             x = x.contiguous()
@@ -237,6 +244,13 @@ class QuantLinear(nn.Module):
             fp16 = int(self.scales.dtype is torch.float16)
             fn(x.data_ptr(), rows, q, s, fp16, bias, y.data_ptr(), n, k, self.group_size, threads)
         return y
+
+    def _forward_integer(self, x: torch.Tensor) -> torch.Tensor | None:
+        """x [M, in] bf16 -> [M, out] bf16 by int8 activations (`quant_gemm`); None where the int4
+        kernel is not built."""
+        if self.bits == 8:
+            return int8_prefill(x, self.qweight, self.scales, self.bias)
+        return int4_prefill(x, self.qweight, self.scales, self.group_size, self.bias)
 
     def _forward_dequantized(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.to(x.dtype)

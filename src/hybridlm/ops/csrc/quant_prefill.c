@@ -1,0 +1,180 @@
+/* Integer prefill GEMM for int4 weights: y[m, n] = bf16(Σ_g s[n, g] · xs[m, g] · Σ_{k ∈ g} xq[m, k] q[n, k]
+   + bias[n]), with the activations already quantized to int8 per row and group (xq, xs: see
+   ops/quant_gemm.py), the inner sums exact in int32 and the sum over groups in float32, in group order.
+
+   The weights are read in the decode kernels' layout (csrc/quant.c): panels of 16 rows, 32-bit words
+   (b, n) holding q[n, 8b + s] + 8 in bits 4s .. 4s + 3. A word masked with 0x0f0f0f0f holds the
+   unsigned nibbles of inputs 8b + 0, 2, 4, 6 in its four bytes, the word shifted right by 4 those of
+   8b + 1, 3, 5, 7, so one vpdpbusd (unsigned bytes × signed bytes, four products summed into each
+   int32 lane) multiplies 16 rows of the panel with four activations broadcast, once the activations
+   of every 8-block are stored in that order (even inputs, then odd). The nibbles are q + 8, so each
+   group's sum is corrected by 8 · Σ_{k ∈ g} xq[m, k].
+
+   Integer sums do not depend on their order, and every output's float32 sum over groups runs in the
+   same order whatever rows share a tile, so a row's result never depends on the rows beside it. */
+#include "bf16.h"
+#include <float.h>
+#include <math.h>
+#include <stdlib.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+
+/* 16 bf16 values as float32 (bf16 is the upper half of a float32). */
+static inline __m512 widen(const uint16_t* p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+#endif
+
+/* x [M, K] bf16 -> xq [M, K] int8, xs [M, K / B] float32: per row and block of B inputs xs = max|x| / 127
+   (the smallest normal float32 for an all-zero block), xq = round(x / xs) half to even, as
+   quant_gemm.quantize_activations computes it in torch. */
+void hybridlm_quantize_rows(const uint16_t* x, int64_t M, int64_t K, int64_t B, int8_t* xq, float* xs,
+                            int nthreads) {
+    #pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t b0 = 0; b0 < K; b0 += B) {
+            const uint16_t* src = x + m * K + b0;
+            int8_t* dst = xq + m * K + b0;
+            int64_t k = 0;
+            float peak = 0.f;
+#ifdef __AVX512F__
+            __m512 vpeak = _mm512_setzero_ps();
+            for (; k + 16 <= B; k += 16) vpeak = _mm512_max_ps(vpeak, _mm512_abs_ps(widen(src + k)));
+            peak = _mm512_reduce_max_ps(vpeak);
+#endif
+            for (; k < B; k++) peak = fmaxf(peak, fabsf(bf16_to_f32(src[k])));
+            const float scale = fmaxf(peak / 127.f, FLT_MIN);
+            k = 0;
+#ifdef __AVX512F__
+            const __m512 vs = _mm512_set1_ps(scale);
+            for (; k + 16 <= B; k += 16) {
+                const __m512 r = _mm512_roundscale_ps(_mm512_div_ps(widen(src + k), vs),
+                                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                _mm_storeu_si128((__m128i*)(dst + k), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(r)));
+            }
+#endif
+            for (; k < B; k++) dst[k] = (int8_t)fminf(fmaxf(nearbyintf(bf16_to_f32(src[k]) / scale), -127.f), 127.f);
+            xs[m * (K / B) + b0 / B] = scale;
+        }
+}
+
+/* acc [M, N] int32 -> y [M, N] bf16 = bf16(acc · xs[m] · ws[n] + bias[n]) (bias bf16 or NULL), the
+   products in that order in float32. */
+void hybridlm_rescale_int8(const int32_t* acc, const float* xs, const float* ws, const uint16_t* bias, uint16_t* y,
+                           int64_t M, int64_t N, int64_t ldy, int nthreads) {
+    #pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t n = 0; n < N; n++) {
+            const float v = (float)acc[m * N + n] * xs[m] * ws[n];
+            y[m * ldy + n] = f32_to_bf16(bias ? v + bf16_to_f32(bias[n]) : v);
+        }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+
+#define MT 8 /* input rows a tile multiplies with one panel: 8 int32 + 8 float32 sums in registers */
+
+/* The 16 scales of a panel's group as float32 (bf16 is the upper half of a float32; fp16 converts
+   exactly); `lanes` masks the load for a short last panel. */
+static inline __m512 group_scales(const uint16_t* s, int fp16, __mmask16 lanes) {
+    const __m256i v = _mm256_maskz_loadu_epi16(lanes, s);
+    return fp16 ? _mm512_cvtph_ps(v) : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+/* acc[c] (16 outputs of one panel, float32) for input rows c < mt: xr the rows' reordered int8
+   activations (K bytes each), xsum their per-group sums, xs their per-group scales. */
+static inline __attribute__((always_inline)) void tile(const int8_t* xr, const int32_t* xsum, const float* xs,
+                                                       int64_t K, int64_t G, int mt, const uint32_t* w,
+                                                       const uint16_t* scales, int fp16, int64_t width,
+                                                       __mmask16 lanes, __m512 acc[MT]) {
+    const __m512i low = _mm512_set1_epi32(0x0f0f0f0f);
+    const int64_t groups = K / G, blocks = G / 8;
+    for (int c = 0; c < mt; c++) acc[c] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        __m512i sum[MT];
+        for (int c = 0; c < mt; c++) sum[c] = _mm512_setzero_si512();
+        for (int64_t b = g * blocks; b < (g + 1) * blocks; b++) {
+            const __m512i raw = _mm512_maskz_loadu_epi32(lanes, w + b * width);
+            const __m512i even = _mm512_and_si512(raw, low), odd = _mm512_and_si512(_mm512_srli_epi32(raw, 4), low);
+            for (int c = 0; c < mt; c++) {
+                const int32_t* x4 = (const int32_t*)(xr + c * K + b * 8);
+                sum[c] = _mm512_dpbusd_epi32(sum[c], even, _mm512_set1_epi32(x4[0]));
+                sum[c] = _mm512_dpbusd_epi32(sum[c], odd, _mm512_set1_epi32(x4[1]));
+            }
+        }
+        const __m512 sv = group_scales(scales + g * width, fp16, lanes);
+        for (int c = 0; c < mt; c++) {
+            const __m512i exact = _mm512_sub_epi32(sum[c], _mm512_set1_epi32(8 * xsum[c * groups + g]));
+            acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_mul_ps(sv, _mm512_set1_ps(xs[c * groups + g])),
+                                     acc[c]);
+        }
+    }
+}
+
+/* xq [M, K] int8, xs [M, K / G] float32 (the activations' scales), q [N, K / 2] packed int4 in panels,
+   scales [N, K / G] bf16 (fp16 != 0: fp16) in panel order, bias [N] bf16 or NULL, y [M, N] bf16;
+   K % G == 0, G % 8 == 0. Returns 0, -1 (out of memory). */
+int hybridlm_prefill_int4(const int8_t* xq, const float* xs, int64_t M, const uint8_t* q, const uint16_t* scales,
+                          int fp16, const uint16_t* bias, uint16_t* y, int64_t N, int64_t K, int64_t G,
+                          int nthreads) {
+    const int64_t groups = K / G;
+    int8_t* xr = malloc((size_t)(M * K));
+    int32_t* xsum = malloc((size_t)(M * groups) * sizeof(int32_t));
+    if (!xr || !xsum) { free(xr); free(xsum); return -1; }
+    #pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t m = 0; m < M; m++) {
+        const int8_t* src = xq + m * K;
+        int8_t* dst = xr + m * K;
+        for (int64_t b = 0; b < K / 8; b++)
+            for (int s = 0; s < 4; s++) {
+                dst[8 * b + s] = src[8 * b + 2 * s];
+                dst[8 * b + 4 + s] = src[8 * b + 2 * s + 1];
+            }
+        for (int64_t g = 0; g < groups; g++) {
+            int32_t t = 0;
+            for (int64_t k = g * G; k < (g + 1) * G; k++) t += src[k];
+            xsum[m * groups + g] = t;
+        }
+    }
+    const int64_t panels = (N + 15) / 16;
+    #pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t p = 0; p < panels; p++) {
+        const int64_t n0 = p * 16, width = N - n0 < 16 ? N - n0 : 16;
+        const __mmask16 lanes = (__mmask16)((1u << width) - 1);
+        const uint32_t* w = (const uint32_t*)(q + n0 * (K / 2));
+        const uint16_t* s = scales + n0 * groups;
+        __m512 bv = _mm512_setzero_ps();
+        if (bias) bv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, bias + n0)), 16));
+        for (int64_t m0 = 0; m0 < M; m0 += MT) {
+            const int mt = M - m0 < MT ? (int)(M - m0) : MT;
+            __m512 acc[MT];
+            const int8_t* xm = xr + m0 * K;
+            const int32_t* sm = xsum + m0 * groups;
+            const float* fm = xs + m0 * groups;
+            /* a constant row count per call site, so the tile's loops unroll into registers */
+            if (mt == MT) tile(xm, sm, fm, K, G, MT, w, s, fp16, width, lanes, acc);
+            else tile(xm, sm, fm, K, G, mt, w, s, fp16, width, lanes, acc);
+            for (int c = 0; c < mt; c++)
+                _mm256_mask_storeu_epi16(y + (m0 + c) * N + n0, lanes,
+                                         (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[c], bv)));
+        }
+    }
+    free(xr);
+    free(xsum);
+    return 0;
+}
+
+int64_t hybridlm_prefill_available(void) { return 1; }
+#else
+/* Without AVX-512 VNNI the caller keeps its dequantized bf16 path. */
+int hybridlm_prefill_int4(const int8_t* xq, const float* xs, int64_t M, const uint8_t* q, const uint16_t* scales,
+                          int fp16, const uint16_t* bias, uint16_t* y, int64_t N, int64_t K, int64_t G,
+                          int nthreads) {
+    (void)xq; (void)xs; (void)M; (void)q; (void)scales; (void)fp16; (void)bias; (void)y; (void)N; (void)K;
+    (void)G; (void)nthreads;
+    return -1;
+}
+
+int64_t hybridlm_prefill_available(void) { return 0; }
+#endif
