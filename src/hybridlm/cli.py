@@ -818,6 +818,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--prefill", type=int, nargs="+", default=[512, 2048], help="prefill lengths (default 512 2048)"
     )
     f.add_argument("--decode", type=int, default=32, help="decode steps to time (default 32)")
+    f.add_argument("--breakdown", type=int, default=None, metavar="TOKENS",
+                   help="also time one prefill of TOKENS tokens by part (linear layers, mixers, norms)")
     add_bench_args(f)
     f.set_defaults(func=cmd_bench_forward)
 

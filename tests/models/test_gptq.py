@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hybridlm.batch import Batch
-from hybridlm.bench.quality import compare, sequences
+from hybridlm.bench.quality import DecodeRows, compare, sequences
 from hybridlm.models import CheckpointError, load_model
 from hybridlm.models.gptq import dequantize_gptq
 from hybridlm.models.quantized import save_quantized
@@ -110,9 +110,12 @@ def test_a_gptq_checkpoint_loads_as_int4_layers_equal_to_its_dequantized_weights
     want = reference(Batch.single(ids), reference.make_caches(1), logits="all")
     torch.testing.assert_close(as_f32(Batch.single(ids), as_f32.make_caches(1), logits="all"), want,
                                rtol=1e-5, atol=1e-5)
-    # bf16 activations through the int4 decode and prefill kernels: close to the float32 reference
-    stats = compare(reference, {"gptq": model}, sequences(reference.vocab_size, 64, 32, seed=1))["gptq"]
-    assert stats["kl_mean"] < 1e-3 and stats["top1_agreement"] >= 0.9, stats
+    # bf16 activations through the int4 decode kernels: close to the float32 reference; prefill's int8
+    # activations (ops.quant_gemm, where the CPU has VNNI) add their own error (measured KL 0.003)
+    seqs = sequences(reference.vocab_size, 64, 32, seed=1)
+    stats = compare(reference, {"decode": DecodeRows(model), "prefill": model}, seqs)
+    assert stats["decode"]["kl_mean"] < 1e-3 and stats["decode"]["top1_agreement"] >= 0.9, stats
+    assert stats["prefill"]["kl_mean"] < 6e-3 and stats["prefill"]["top1_agreement"] >= 0.8, stats
     assert len(plain_greedy(model, ids_for(9, seed=4), 5)) == 5
 
 

@@ -51,9 +51,11 @@ def bf16_models(checkpoints):
 @pytest.mark.parametrize("name", FAMILIES)
 def test_every_linear_is_quantized_and_stays_close_to_bf16(bf16_models, name):
     """Each family quantizes every linear layer (the LM head included); KL to bf16 is small, int8
-    far closer than int4, and greedy decoding runs. Measured (96 positions; KL mean, top-1):
-    int8 6e-5..5e-3, 83-99%; int4 0.009..0.12, 21-59%: these tiny random models' next-token
-    distributions are nearly flat, so top-1 flips on small logit changes (printed with -s)."""
+    far closer than int4, and greedy decoding runs. Measured (96 positions as prefill computes them;
+    KL mean, top-1): with bf16 activations int8 6e-5..5e-3, 83-99%, int4 0.009..0.12, 21-59%; with
+    int8 activations (ops.quant_gemm, on a VNNI CPU) int8 8e-5..0.011, 73-99%, int4 unchanged
+    within ±0.002: these tiny random models' next-token distributions are nearly flat, so top-1
+    flips on small logit changes (printed with -s)."""
     reference = bf16_models(name)
     seqs = sequences(reference.vocab_size, 96, 48, seed=0)
     for scheme in SCHEMES:
@@ -65,8 +67,8 @@ def test_every_linear_is_quantized_and_stays_close_to_bf16(bf16_models, name):
     print(name, {s: (round(r["kl_mean"], 5), round(r["top1_agreement"], 3)) for s, r in stats.items()})
     assert stats["int8"]["tokens"] == 96
     assert stats["int8"]["kl_mean"] * 5 < stats["int4"]["kl_mean"] < 0.25
-    assert stats["int8"]["kl_mean"] < 0.01
-    assert stats["int8"]["top1_agreement"] >= 0.75
+    assert stats["int8"]["kl_mean"] < 0.015
+    assert stats["int8"]["top1_agreement"] >= 0.7
 
 
 @needs_kernels

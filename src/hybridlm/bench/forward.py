@@ -81,6 +81,57 @@ def time_prefill(model, length: int, repeats: int = 2) -> float:
     return best
 
 
+def _part(module) -> str | None:
+    """The breakdown bucket of a module class, or None (its time goes to its caller)."""
+    from hybridlm.ops.quant import QuantLinear
+
+    if isinstance(module, (torch.nn.Linear, QuantLinear)):
+        return "linear (GEMM)"
+    name = type(module).__name__
+    for key, part in (("DeltaNet", "Gated DeltaNet mixer"), ("Attention", "attention mixer"),
+                      ("Conv", "short-conv mixer"), ("Norm", "norms"), ("Embedding", "embedding")):
+        if key in name:
+            return part
+    return None
+
+
+@torch.no_grad()
+def prefill_breakdown(model, length: int) -> dict[str, float]:
+    """Seconds of one fresh `length`-token prefill by part: linear layers (the GEMMs), each mixer
+    (GDN chunk scan, attention, short conv) without its own linear layers, norms, and "other" (the
+    rest: elementwise, MLP gating, the LM head's last row...). Forward hooks time each bucketed
+    module exclusive of the bucketed modules it calls; CPU timings (CUDA would need syncs)."""
+    ids = torch.randint(0, model.vocab_size, (length,)).tolist()
+    totals: dict[str, float] = {}
+    stack: list[list[float]] = []  # [start, seconds spent in bucketed children]
+
+    def pre(module, args):
+        stack.append([time.perf_counter(), 0.0])
+
+    def post(module, args, out):
+        start, inner = stack.pop()
+        spent = time.perf_counter() - start
+        totals[_part(module)] = totals.get(_part(module), 0.0) + spent - inner
+        if stack:
+            stack[-1][1] += spent
+
+    hooks = []
+    for module in model.modules():
+        if _part(module):
+            hooks += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+    try:
+        model(Batch.single(ids, device=model.device), model.make_caches(1))  # warm-up
+        totals.clear()
+        t0 = time.perf_counter()
+        model(Batch.single(ids, device=model.device), model.make_caches(1))
+        total = time.perf_counter() - t0
+    finally:
+        for h in hooks:
+            h.remove()
+    totals["other"] = total - sum(totals.values())
+    return totals
+
+
 def time_decode(model, steps: int, context: int = 128) -> float:
     """Median seconds per decode step after a `context`-token prefill."""
     caches = model.make_caches(1)
@@ -143,6 +194,9 @@ def main(args) -> int:
         print(f"prefill {length} ...", flush=True)
         secs = time_prefill(model, length)
         report["prefill"][str(length)] = {"tok_s": length / secs, "limit_tok_s": rate * 1e12 / flops}
+    if args.breakdown:
+        print(f"prefill {args.breakdown} by part ...", flush=True)
+        report["prefill_breakdown"] = prefill_breakdown(model, args.breakdown)
     print(f"decode {args.decode} steps ...", flush=True)
     step = time_decode(model, args.decode)
     report["decode"] = {
@@ -164,6 +218,12 @@ def main(args) -> int:
         print(f"{'prefill ' + length:<14}{r['tok_s']:>10.1f}{r['limit_tok_s']:>10.1f}{share:>10.0%}")
     d = report["decode"]
     print(f"{'decode':<14}{d['tok_s']:>10.1f}{d['limit_tok_s']:>10.1f}{d['tok_s'] / d['limit_tok_s']:>10.0%}")
+    if args.breakdown:
+        parts = report["prefill_breakdown"]
+        total = sum(parts.values())
+        print(f"\nprefill {args.breakdown} by part ({total * 1e3:.0f} ms):")
+        for part, secs in sorted(parts.items(), key=lambda kv: -kv[1]):
+            print(f"  {part:<22}{secs * 1e3:>9.1f} ms{secs / total:>7.1%}")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
     return 0

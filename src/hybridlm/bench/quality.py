@@ -4,6 +4,12 @@ As llama.cpp's ``--kl-divergence``: the same token sequences go through the bf16
 quantized one; per position it takes KL(P_bf16 ‖ P_quant) of the next-token distributions (nats)
 and whether both pick the same top-1 token. Sequences are seeded random token ids (the preset
 checkpoints have random weights and no tokenizer), fed as fresh prefills of `context` tokens.
+
+Each scheme is measured twice: as prefill computes it (on a CPU with AVX-512 VNNI the activations
+are quantized to int8, `ops.quant_gemm`) and as decode computes the same positions (``decode
+rows``: every row through the few-row kernels with bf16 activations, `ops.linear.rowwise`). The
+float32 model's line is the noise floor: how far bf16 itself is from float32 on the same tokens
+(random weights give nearly flat next-token distributions, where top-1 flips on tiny changes).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import torch
 from hybridlm.batch import Batch
 from hybridlm.bench.forward import load_bench_model
 from hybridlm.models.base import CausalLM
+from hybridlm.ops.linear import rowwise
 from hybridlm.ops.quant import QUANTIZATIONS
 
 
@@ -24,6 +31,20 @@ def sequences(vocab_size: int, tokens: int, context: int, seed: int = 0) -> list
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab_size, (tokens,), generator=g).tolist()
     return [ids[i : i + context] for i in range(0, tokens, context)]
+
+
+class DecodeRows:
+    """`model` called with every linear layer computing each row as a decode step would (`rowwise`)."""
+
+    def __init__(self, model: CausalLM):
+        self.model, self.device = model, model.device
+
+    def make_caches(self, batch: int):
+        return self.model.make_caches(batch)
+
+    def __call__(self, *args, **kwargs):
+        with rowwise():
+            return self.model(*args, **kwargs)
 
 
 @torch.no_grad()
@@ -65,14 +86,17 @@ def main(args) -> int:
     report = {"model": str(path), "threads": torch.get_num_threads(), "tokens": args.tokens,
               "context": args.context, "seed": args.seed, "schemes": {}}
     print(f"quantizing ({', '.join(schemes)}) ...", flush=True)
-    candidates = {s: load_model(path, dtype=dtype, device=args.device, quantize=s) for s in schemes}
+    candidates: dict = {"float32 (noise floor)": load_model(path, dtype=torch.float32, device=args.device)}
+    for s in schemes:
+        model = load_model(path, dtype=dtype, device=args.device, quantize=s)
+        candidates[f"{s} prefill"], candidates[f"{s} decode rows"] = model, DecodeRows(model)
     print(f"comparing over {args.tokens} tokens ...", flush=True)
     report["schemes"] = compare(reference, candidates, seqs)
     reference_dtype = str(dtype).removeprefix("torch.")
     print(f"\n{path}: {args.tokens} tokens in sequences of {args.context}, against {reference_dtype}")
-    print(f"{'weights':<9}{'KL mean':>11}{'KL p99':>11}{'KL max':>11}{'top-1 agree':>13}")
+    print(f"{'weights':<23}{'KL mean':>11}{'KL p99':>11}{'KL max':>11}{'top-1 agree':>13}")
     for scheme, r in report["schemes"].items():
-        print(f"{scheme:<9}{r['kl_mean']:>11.5f}{r['kl_p99']:>11.5f}{r['kl_max']:>11.5f}"
+        print(f"{scheme:<23}{r['kl_mean']:>11.5f}{r['kl_p99']:>11.5f}{r['kl_max']:>11.5f}"
               f"{r['top1_agreement']:>13.2%}")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))

@@ -14,13 +14,19 @@ as llama.cpp does for its integer dot products:
 
 Integer sums do not depend on blocking, so a row's output never depends on the other rows of the
 call (prefill is row independent too). Decode-shaped calls (up to ``FEW_TOKENS`` rows) keep bf16
-activations (``csrc/quant.c``). Elsewhere — CUDA, other dtypes, no VNNI, ``HYBRIDLM_COMPILE=0`` for
-int4 — `QuantLinear` keeps its dequantized bf16 path.
+activations (``csrc/quant.c``). Elsewhere — CUDA, other dtypes, no VNNI, ``HYBRIDLM_COMPILE=0``,
+or ``HYBRIDLM_INT8_PREFILL=0`` (prefill numerics as close to decode's as bf16 allows, at the bf16
+GEMM's speed) — `QuantLinear` keeps its dequantized bf16 path.
+
+The price, measured by ``hybridlm bench quality``: int8 activations add about as much error as
+int8 weights do (the small test models' KL to bf16 roughly doubles with int8 weights), and little
+beside int4 weights' own error.
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 
 import torch
 
@@ -59,13 +65,14 @@ def vnni() -> bool:
 
 
 def prefill_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """bf16 CPU input, CPU weights, a VNNI CPU, not traced by torch.compile (callers check the
-    row count)."""
+    """bf16 CPU input, CPU weights, a VNNI CPU, not traced by torch.compile, not turned off by
+    ``HYBRIDLM_INT8_PREFILL=0`` (callers check the row count)."""
     return (
         x.dtype is torch.bfloat16
         and x.is_cpu
         and weight.is_cpu
         and not torch.compiler.is_compiling()
+        and os.environ.get("HYBRIDLM_INT8_PREFILL", "1") != "0"
         and vnni()
     )
 

@@ -1,0 +1,137 @@
+"""Integer prefill (ops.quant_gemm): int8 activations × int8 / int4 weights against float64 references
+of the same quantized math, and row independence."""
+
+import pytest
+import torch
+from torch import nn
+
+from hybridlm.ops import quant_gemm
+from hybridlm.ops.native import FEW_TOKENS
+from hybridlm.ops.quant import QuantLinear, from_panels, unpack_int4
+from hybridlm.ops.quant_gemm import int4_prefill, int8_prefill, quantize_activations
+
+needs_vnni = pytest.mark.skipif(not quant_gemm.vnni(), reason="integer prefill needs AVX-512 VNNI")
+
+
+def _layer(k: int, n: int, scheme: str, bias: bool = True, seed: int = 0) -> QuantLinear:
+    torch.manual_seed(seed)
+    lin = nn.Linear(k, n, bias=bias).to(torch.bfloat16)
+    return QuantLinear.from_linear(lin, scheme)
+
+
+def _x(m: int, k: int, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g) * torch.logspace(-2, 1, m)[:, None]  # rows of very different scales
+    x[m // 2] = 0  # an all-zero row: the smallest normal scale, zero output but the bias
+    return x.to(torch.bfloat16)
+
+
+def test_quantize_activations_maps_each_block_peak_to_127_and_roundtrips_within_half_a_step():
+    x = _x(9, 128)
+    xq, xs = quantize_activations(x, 32)
+    blocks = x.float().view(9, 4, 32)
+    assert xs.shape == (9, 4)
+    assert (xq.view(9, 4, 32).abs().amax(-1)[blocks.abs().amax(-1) > 0] == 127).all()
+    err = (xq.float().view(9, 4, 32) * xs[..., None] - blocks).abs()
+    assert (err <= xs[..., None] / 2 * (1 + 1e-6)).all()
+
+
+@needs_vnni
+@pytest.mark.parametrize("k, block", [(128, 128), (128, 64), (40, 40), (48, 16)])
+def test_c_activation_quantization_equals_the_torch_definition(k, block):
+    x = _x(21, k)
+    got, want = quant_gemm._quantized(x, block), quantize_activations(x, block)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def _int8_reference(x, layer):
+    """The same math in exact integers, then the kernel's float32 rescale order."""
+    xq, xs = quantize_activations(x, x.shape[1])
+    acc = (xq.long() @ layer.qweight.long().T).float()  # |acc| < 2^31: exact in int64, as in int32
+    y = acc * xs * layer.scales
+    if layer.bias is not None:
+        y = y + layer.bias.float()
+    return y.to(torch.bfloat16)
+
+
+@needs_vnni
+@pytest.mark.parametrize("bias", [True, False])
+def test_int8_prefill_sums_exactly_and_rescales_in_float32(bias):
+    layer = _layer(96, 50, "int8", bias=bias)
+    x = _x(33, 96)
+    assert torch.equal(int8_prefill(x, layer.qweight, layer.scales, layer.bias), _int8_reference(x, layer))
+
+
+def test_int8_prefill_in_column_slabs_equals_one_slab(monkeypatch):
+    layer, x = _layer(64, 70, "int8"), _x(20, 64)
+    whole = int8_prefill(x, layer.qweight, layer.scales, layer.bias)
+    monkeypatch.setattr(quant_gemm, "OUT_ELEMENTS", 20 * 16)  # 16 columns a slab, the last one 6
+    monkeypatch.setattr(quant_gemm.RESCALE_INT8, "get", lambda: None)  # and the torch rescale
+    assert torch.equal(int8_prefill(x, layer.qweight, layer.scales, layer.bias), whole)
+
+
+def _int4_reference64(x, layer):
+    """float64 of the quantized math: Σ_g xs[m, g] s[n, g] Σ_{k ∈ g} xq[m, k] q[n, k] + bias[n]; and the
+    sum of the terms' magnitudes (float32 accumulation error scales with it)."""
+    m, k = x.shape
+    n, g = layer.out_features, layer.group_size
+    xq, xs = quantize_activations(x, g)
+    q = unpack_int4(layer.qweight).double().view(n, k // g, g)
+    s = from_panels(layer.scales).double()
+    part = torch.einsum("mgk,ngk->mng", xq.double().view(m, k // g, g), q)  # exact integers
+    terms = part * xs.double()[:, None, :] * s[None]
+    bias = 0 if layer.bias is None else layer.bias.double()
+    return terms.sum(-1) + bias, terms.abs().sum(-1)
+
+
+@needs_vnni
+# full panels, a short last one, GPTQ's fp16 scales
+@pytest.mark.parametrize("n, fp16", [(48, False), (37, False), (40, True)])
+def test_int4_prefill_equals_a_float64_reference_of_the_quantized_math(n, fp16):
+    layer = _layer(256, n, "int4")
+    if fp16:
+        layer.scales = layer.scales.to(torch.float16)
+    x = _x(30, 256)
+    y = int4_prefill(x, layer.qweight, layer.scales, layer.group_size, layer.bias).double()
+    ref, magnitude = _int4_reference64(x, layer)
+    # one bf16 rounding of the result plus float32 rounding of each group's term and running sum
+    tolerance = ref.abs() * 2.0**-8 + magnitude * 2.0**-21
+    assert ((y - ref).abs() <= tolerance).all()
+
+
+@needs_vnni
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_prefill_row_never_depends_on_the_rows_beside_it(scheme):
+    layer = _layer(128, 45, scheme)
+    x = _x(40, 128)
+    run = layer._forward_integer
+    whole = run(x)
+    parts = torch.cat([run(x[i : i + c]) for i, c in zip((0, 1, 10, 19), (1, 9, 9, 21), strict=True)])
+    assert torch.equal(parts, whole)
+
+
+@needs_vnni
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_quant_linear_prefill_rows_take_the_integer_path(scheme):
+    layer = _layer(128, 45, scheme)
+    x = _x(2 * FEW_TOKENS, 128).view(2, FEW_TOKENS, 128)
+    want = layer._forward_integer(x.reshape(-1, 128)).view(2, FEW_TOKENS, 45)
+    assert torch.equal(layer(x), want)
+    # decode-shaped calls keep bf16 activations: the quantized activations' error is absent there
+    dense = x.float() @ layer.dequantized(torch.float32).T + layer.bias.float()
+    few = layer(x[0, :3]).float()
+    assert (few - dense[0, :3]).abs().max() < (want[0, :3].float() - dense[0, :3]).abs().max()
+
+
+def test_quant_linear_float32_prefill_keeps_the_dequantized_path():
+    layer = _layer(64, 20, "int8")
+    x = _x(FEW_TOKENS + 3, 64).float()
+    want = x @ layer.dequantized(torch.float32).T + layer.bias.float()
+    torch.testing.assert_close(layer(x), want)
+
+
+def test_int8_prefill_can_be_turned_off_for_the_dequantized_path(monkeypatch):
+    layer = _layer(64, 20, "int4")
+    x = _x(FEW_TOKENS + 3, 64)
+    monkeypatch.setenv("HYBRIDLM_INT8_PREFILL", "0")
+    assert torch.equal(layer(x), layer._forward_dequantized(x))
