@@ -1,7 +1,8 @@
 """`hybridlm bench forward`: prefill and decode tokens/s beside the machine's limits.
 
 Limits: decode ≤ bandwidth ÷ weight bytes read per token; prefill ≤ matmul rate ÷ FLOPs per token
-(2 × parameters touched per token; the LM head runs once per prefill, so it is left out).
+(2 × parameters touched per token; the LM head runs once per prefill, so it is left out), the int8
+matmul's rate where quantized layers prefill in integers (`ops.quant_gemm`), else the model dtype's.
 """
 
 from __future__ import annotations
@@ -60,6 +61,16 @@ def prefill_flops_per_token(model) -> int:
         if isinstance(module, QuantLinear):
             weights += module.in_features * module.out_features
     return 2 * weights
+
+
+def integer_prefill(model) -> bool:
+    """Whether `model`'s quantized linear layers prefill with int8 activations (`ops.quant_gemm`)."""
+    from hybridlm.ops.quant import QuantLinear
+    from hybridlm.ops.quant_gemm import prefill_applies
+
+    layer = next((m for m in model.modules() if isinstance(m, QuantLinear)), None)
+    return layer is not None and prefill_applies(torch.empty(0, dtype=torch.bfloat16, device=model.device),
+                                                 layer.qweight)
 
 
 def _sync(device) -> None:
@@ -174,7 +185,8 @@ def main(args) -> int:
     device = model.device
     print("measuring the machine ...", flush=True)
     bandwidth = memory_bandwidth_gbs(device)
-    rate = matmul_tflops(dtype, device)
+    integer = integer_prefill(model)
+    rate = matmul_tflops(torch.int8 if integer else dtype, device)
     wbytes = weight_bytes_per_token(model)
     flops = prefill_flops_per_token(model)
     report = {
@@ -185,6 +197,7 @@ def main(args) -> int:
         "threads": torch.get_num_threads(),
         "bandwidth_gbs": bandwidth,
         "matmul_tflops": rate,
+        "matmul_dtype": "int8" if integer else str(dtype).removeprefix("torch."),
         "weight_bytes_per_token": wbytes,
         "prefill_flops_per_token": flops,
         "prefill": {},
@@ -206,7 +219,8 @@ def main(args) -> int:
     }
 
     print(
-        f"\nmachine: {bandwidth:.1f} GB/s read, {rate:.3f} TFLOP/s {report['dtype']} matmul, "
+        f"\nmachine: {bandwidth:.1f} GB/s read, {rate:.3f} {'TOP' if integer else 'TFLOP'}/s "
+        f"{report['matmul_dtype']} matmul, "
         f"{report['threads']} threads, {device}"
     )
     gb, gflop = wbytes / 1e9, flops / 1e9

@@ -49,6 +49,10 @@ def _bandwidth(device: torch.device, threads: int) -> float:
 @functools.cache
 def _tflops(dtype: torch.dtype, device: torch.device, threads: int) -> float:
     n = 4096 if device.type == "cuda" else 2048
+    if dtype is torch.int8:  # int32 accumulation, as quantized prefill multiplies (ops.quant_gemm)
+        a = torch.randint(-127, 128, (n, n), dtype=dtype, device=device)
+        b = torch.randint(-127, 128, (n, n), dtype=dtype, device=device)
+        return 2 * n**3 / _best_seconds(lambda: torch._int_mm(a, b), device) / 1e12
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
     return 2 * n**3 / _best_seconds(lambda: a @ b, device) / 1e12
@@ -61,7 +65,8 @@ def memory_bandwidth_gbs(device: torch.device | str = "cpu") -> float:
 
 
 def matmul_tflops(dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu") -> float:
-    """Square GEMM rate in TFLOP/s (2·n³ FLOPs, n = 2048 on CPU, 4096 on CUDA) for ``dtype``."""
+    """Square GEMM rate in TFLOP/s (2·n³ FLOPs, n = 2048 on CPU, 4096 on CUDA) for ``dtype`` (int8:
+    ``torch._int_mm``, TOP/s)."""
     return _tflops(dtype, torch.device(device), torch.get_num_threads())
 
 
