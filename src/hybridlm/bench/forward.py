@@ -69,8 +69,10 @@ def integer_prefill(model) -> bool:
     from hybridlm.ops.quant_gemm import prefill_applies
 
     layer = next((m for m in model.modules() if isinstance(m, QuantLinear)), None)
-    return layer is not None and prefill_applies(torch.empty(0, dtype=torch.bfloat16, device=model.device),
-                                                 layer.qweight)
+    if layer is None:
+        return False
+    x = torch.empty(0, dtype=model.model.embed_tokens.weight.dtype, device=model.device)
+    return prefill_applies(x, layer.qweight)
 
 
 def _sync(device) -> None:
