@@ -44,30 +44,38 @@ def test_c_activation_quantization_equals_the_torch_definition(k, block):
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
-def _int8_reference(x, layer):
-    """The same math in exact integers, then the kernel's float32 rescale order."""
-    xq, xs = quantize_activations(x, x.shape[1])
-    acc = (xq.long() @ layer.qweight.long().T).float()  # |acc| < 2^31: exact in int64, as in int32
-    y = acc * xs * layer.scales
-    if layer.bias is not None:
-        y = y + layer.bias.float()
-    return y.to(torch.bfloat16)
+def _int8_reference64(x, layer):
+    """float64 of the quantized math: s[n] · Σ_b xs[m, b] Σ_{k ∈ b} xq[m, k] q[n, k] + bias[n]; and the
+    sum of the terms' magnitudes (float32 accumulation error scales with it)."""
+    m, k = x.shape
+    b = quant_gemm.ACT_BLOCK if k % quant_gemm.ACT_BLOCK == 0 else k
+    xq, xs = quantize_activations(x, b)
+    q = layer.qweight.double().view(-1, k // b, b)
+    part = torch.einsum("mbk,nbk->mnb", xq.double().view(m, k // b, b), q)  # exact integers
+    terms = part * xs.double()[:, None, :] * layer.scales.double()[None, :, None]
+    bias = 0 if layer.bias is None else layer.bias.double()
+    return terms.sum(-1) + bias, terms.abs().sum(-1)
 
 
 @needs_vnni
-@pytest.mark.parametrize("bias", [True, False])
-def test_int8_prefill_sums_exactly_and_rescales_in_float32(bias):
-    layer = _layer(96, 50, "int8", bias=bias)
-    x = _x(33, 96)
-    assert torch.equal(int8_prefill(x, layer.qweight, layer.scales, layer.bias), _int8_reference(x, layer))
+# whole-row scales (96 is no multiple of ACT_BLOCK), ACT_BLOCK blocks; a short last panel; no bias
+@pytest.mark.parametrize("k, n, bias", [(96, 48, True), (256, 37, True), (256, 32, False)])
+def test_int8_prefill_equals_a_float64_reference_of_the_quantized_math(k, n, bias):
+    layer = _layer(k, n, "int8", bias=bias)
+    x = _x(30, k)
+    y = int8_prefill(x, layer.qweight, layer.scales, layer.bias).double()
+    ref, magnitude = _int8_reference64(x, layer)
+    # one bf16 rounding of the result plus float32 rounding of each block's term and running sum
+    tolerance = ref.abs() * 2.0**-8 + magnitude * 2.0**-21
+    assert ((y - ref).abs() <= tolerance).all()
 
 
-def test_int8_prefill_in_column_slabs_equals_one_slab(monkeypatch):
-    layer, x = _layer(64, 70, "int8"), _x(20, 64)
-    whole = int8_prefill(x, layer.qweight, layer.scales, layer.bias)
-    monkeypatch.setattr(quant_gemm, "OUT_ELEMENTS", 20 * 16)  # 16 columns a slab, the last one 6
-    monkeypatch.setattr(quant_gemm.RESCALE_INT8, "get", lambda: None)  # and the torch rescale
-    assert torch.equal(int8_prefill(x, layer.qweight, layer.scales, layer.bias), whole)
+@needs_vnni
+def test_int8_prefill_leaves_inputs_not_a_multiple_of_4_to_the_dequantized_path():
+    layer = _layer(42, 20, "int8")
+    x = _x(FEW_TOKENS + 3, 42)
+    assert int8_prefill(x, layer.qweight, layer.scales, layer.bias) is None
+    assert torch.equal(layer(x), layer._forward_dequantized(x))
 
 
 def _int4_reference64(x, layer):

@@ -279,8 +279,8 @@ class QuantLinear(nn.Module):
         return y
 
     def _forward_integer(self, x: torch.Tensor) -> torch.Tensor | None:
-        """x [M, in] bf16 -> [M, out] bf16 by int8 activations (`quant_gemm`); None where the int4
-        kernel is not built."""
+        """x [M, in] bf16 -> [M, out] bf16 by int8 activations (`quant_gemm`); None where the
+        kernel does not apply."""
         if self.bits == 8:
             return int8_prefill(x, self.qweight, self.scales, self.bias)
         return int4_prefill(x, self.qweight, self.scales, self.group_size, self.bias)

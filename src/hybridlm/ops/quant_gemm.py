@@ -4,13 +4,11 @@ On a CPU without AMX the bf16 GEMM runs at ≈ 0.2 TFLOP/s while AVX-512 VNNI in
 (vpdpbusd) run ≈ 1.3 TOP/s, so prefill (more than ``FEW_TOKENS`` rows) quantizes its activations,
 as llama.cpp does for its integer dot products:
 
-- each activation row is quantized symmetrically to int8 — per row against int8 weights, per row
-  and weight group against int4 weights (free there: every group is rescaled anyway):
-  ``xs = max|x| / 127``, ``xq = round(x / xs)``;
-- int8 weights: ``torch._int_mm(xq, qweight.T)`` (int32), then ``acc · xs[m] · scale[n] + bias``
-  in float32, rounded to bf16 once;
-- int4 weights: the C kernel of ``csrc/quant_prefill.c`` reads the packed panels directly; each
-  group's sum is exact in int32 and the groups are summed in float32 in order.
+- each activation row is quantized symmetrically to int8 per block of inputs — `ACT_BLOCK` against
+  int8 weights, the weight group against int4 weights: ``xs = max|x| / 127``, ``xq = round(x / xs)``;
+- the C kernels of ``csrc/quant_prefill.c`` read the weights in their decode layout; each block's
+  sum is exact in int32, the blocks are summed in float32 in order, times the scales, rounded to
+  bf16 once.
 
 Integer sums do not depend on blocking, so a row's output never depends on the other rows of the
 call (prefill is row independent too). Decode-shaped calls (up to ``FEW_TOKENS`` rows) keep bf16
@@ -18,9 +16,9 @@ activations (``csrc/quant.c``). Elsewhere — CUDA, other dtypes, no VNNI, ``HYB
 or ``HYBRIDLM_INT8_PREFILL=0`` (prefill numerics as close to decode's as bf16 allows, at the bf16
 GEMM's speed) — `QuantLinear` keeps its dequantized bf16 path.
 
-The price, measured by ``hybridlm bench quality``: int8 activations add about as much error as
-int8 weights do (the small test models' KL to bf16 roughly doubles with int8 weights), and little
-beside int4 weights' own error.
+The price, measured by ``hybridlm bench quality`` (see `ACT_BLOCK`): with int8 weights the KL to
+bf16 grows by about half (per row it would nearly quadruple), beside int4 weights' own error it is
+negligible.
 """
 
 from __future__ import annotations
@@ -34,9 +32,11 @@ from hybridlm.ops.native import NativeKernel
 
 __all__ = ["int4_prefill", "int8_prefill", "prefill_applies", "quantize_activations", "vnni"]
 
-# Most int32 elements an int8 prefill GEMM produces at once: a 248k-vocabulary LM head over a long
-# prompt runs in column slabs instead of one [M, N] int32 and one float32 temporary.
-OUT_ELEMENTS = 1 << 22
+# Inputs per activation scale against int8 weights. Measured on the random Qwen3.5-0.8B preset (512
+# positions, KL to bf16 / top-1): bf16 activations 0.0026 / 73 %; int8 per row 0.0098 / 56 %, per 256
+# inputs 0.0056 / 64 %, per 64 0.0042 / 70 %. int4 weights use their own group size (their error
+# dwarfs the activations': KL 0.1642 with bf16 activations, 0.1647 with int8 per group of 64).
+ACT_BLOCK = 64
 
 _p, _i64, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 INT4_PREFILL = NativeKernel(
@@ -48,9 +48,10 @@ QUANTIZE_ROWS = NativeKernel(
     "quant_prefill", "quant_prefill.c", "hybridlm_quantize_rows", [_p, _i64, _i64, _i64, _p, _p, _int], None,
     fallback="torch activation quantization",
 )
-RESCALE_INT8 = NativeKernel(
-    "quant_prefill", "quant_prefill.c", "hybridlm_rescale_int8", [_p, _p, _p, _p, _p, _i64, _i64, _i64, _int],
-    None, fallback="torch rescaling",
+INT8_PREFILL = NativeKernel(
+    "quant_prefill", "quant_prefill.c", "hybridlm_prefill_int8",
+    [_p, _p, _i64, _p, _p, _p, _p, _i64, _i64, _i64, _int], _int,
+    fallback="dequantized bf16 prefill",
 )
 AVAILABLE = NativeKernel(
     "quant_prefill", "quant_prefill.c", "hybridlm_prefill_available", [], _i64,  # not a status: 1 or 0
@@ -102,25 +103,22 @@ def _quantized(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def int8_prefill(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                 bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] bf16, qweight [N, K] int8, scales [N] float32, bias [N] or None -> [M, N] bf16:
-    ``bf16(Σ_k xq[m, k] q[n, k] · xs[m] · scales[n] + bias[n])``, the sum exact in int32."""
-    xq, xs = _quantized(x, x.shape[1])
-    m, n = x.shape[0], qweight.shape[0]
+                 bias: torch.Tensor | None) -> torch.Tensor | None:
+    """x [M, K] bf16, qweight [N, K] int8, scales [N] float32, bias [N] bf16 or None -> [M, N] bf16:
+    ``bf16(scales[n] · Σ_b xs[m, b] · Σ_{k ∈ b} xq[m, k] q[n, k] + bias[n])`` over blocks b of
+    `ACT_BLOCK` inputs (the whole row where K is not a multiple), the inner sums exact in int32;
+    None when the kernel is not built or K % 4 != 0."""
+    fn = INT8_PREFILL.get()
+    m, k = x.shape
+    block = ACT_BLOCK if k % ACT_BLOCK == 0 else k
+    if fn is None or block % 4:
+        return None
+    xq, xs = _quantized(x, block)
+    n = qweight.shape[0]
     y = torch.empty(m, n, dtype=torch.bfloat16)
-    rescale = RESCALE_INT8.get()
-    step = max(1, OUT_ELEMENTS // m)
-    for n0 in range(0, n, step):
-        n1 = min(n0 + step, n)
-        acc = torch._int_mm(xq, qweight[n0:n1].t())
-        b = None if bias is None else bias[n0:n1]
-        if rescale is not None and (b is None or b.dtype is torch.bfloat16):
-            bias_ptr = None if b is None else b.data_ptr()
-            rescale(acc.data_ptr(), xs.data_ptr(), scales[n0:].data_ptr(), bias_ptr, y[:, n0:].data_ptr(),
-                    m, n1 - n0, n, torch.get_num_threads())
-            continue
-        out = acc.float().mul_(xs).mul_(scales[n0:n1])
-        y[:, n0:n1] = out if b is None else out.add_(b.float())
+    bias_ptr = None if bias is None else bias.data_ptr()
+    fn(xq.data_ptr(), xs.data_ptr(), m, qweight.data_ptr(), scales.data_ptr(), bias_ptr, y.data_ptr(),
+       n, k, block, torch.get_num_threads())
     return y
 
 

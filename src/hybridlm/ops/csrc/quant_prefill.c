@@ -1,8 +1,9 @@
-/* Integer prefill GEMM for int4 weights: y[m, n] = bf16(Σ_g s[n, g] · xs[m, g] · Σ_{k ∈ g} xq[m, k] q[n, k]
-   + bias[n]), with the activations already quantized to int8 per row and group (xq, xs: see
-   ops/quant_gemm.py), the inner sums exact in int32 and the sum over groups in float32, in group order.
+/* Integer prefill GEMMs: int8 activations (quantized per row and block, hybridlm_quantize_rows) times
+   int8 or int4 weights in their decode layouts, each block's sum exact in int32, the sum over blocks
+   in float32 in block order. int4: y[m, n] = bf16(Σ_g s[n, g] · xs[m, g] · Σ_{k ∈ g} xq[m, k] q[n, k]
+   + bias[n]); int8: see hybridlm_prefill_int8.
 
-   The weights are read in the decode kernels' layout (csrc/quant.c): panels of 16 rows, 32-bit words
+   The int4 weights are read in the decode kernels' layout (csrc/quant.c): panels of 16 rows, 32-bit words
    (b, n) holding q[n, 8b + s] + 8 in bits 4s .. 4s + 3. A word masked with 0x0f0f0f0f holds the
    unsigned nibbles of inputs 8b + 0, 2, 4, 6 in its four bytes, the word shifted right by 4 those of
    8b + 1, 3, 5, 7, so one vpdpbusd (unsigned bytes × signed bytes, four products summed into each
@@ -58,20 +59,8 @@ void hybridlm_quantize_rows(const uint16_t* x, int64_t M, int64_t K, int64_t B, 
         }
 }
 
-/* acc [M, N] int32 -> y [M, N] bf16 = bf16(acc · xs[m] · ws[n] + bias[n]) (bias bf16 or NULL), the
-   products in that order in float32. */
-void hybridlm_rescale_int8(const int32_t* acc, const float* xs, const float* ws, const uint16_t* bias, uint16_t* y,
-                           int64_t M, int64_t N, int64_t ldy, int nthreads) {
-    #pragma omp parallel for schedule(static) num_threads(nthreads)
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t n = 0; n < N; n++) {
-            const float v = (float)acc[m * N + n] * xs[m] * ws[n];
-            y[m * ldy + n] = f32_to_bf16(bias ? v + bf16_to_f32(bias[n]) : v);
-        }
-}
-
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512BF16__)
-#include <immintrin.h>
+#include <omp.h>
 
 #define MT 8 /* input rows a tile multiplies with one panel: 8 int32 + 8 float32 sums in registers */
 
@@ -165,6 +154,86 @@ int hybridlm_prefill_int4(const int8_t* xq, const float* xs, int64_t M, const ui
     return 0;
 }
 
+/* int8 weights: acc[c] (16 outputs of one panel, float32, before the weight scales) for input rows c <
+   mt. wp holds the panel's weights as words (k / 4, n): bytes q[n, k .. k + 3] + 128 (unsigned), 16
+   words a step; x the rows' int8 activations (K bytes each), xsum / xs their per-block sums and
+   scales (blocks of B inputs). */
+static inline __attribute__((always_inline)) void tile8(const int8_t* x, const int32_t* xsum, const float* xs,
+                                                        int64_t K, int64_t B, int mt, const uint32_t* wp,
+                                                        __m512 acc[MT]) {
+    const int64_t blocks = K / B;
+    for (int c = 0; c < mt; c++) acc[c] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < blocks; g++) {
+        __m512i sum[MT];
+        for (int c = 0; c < mt; c++) sum[c] = _mm512_setzero_si512();
+        for (int64_t k4 = g * B / 4; k4 < (g + 1) * B / 4; k4++) {
+            const __m512i wv = _mm512_load_si512(wp + k4 * 16);
+            for (int c = 0; c < mt; c++)
+                sum[c] = _mm512_dpbusd_epi32(sum[c], wv, _mm512_set1_epi32(((const int32_t*)(x + c * K))[k4]));
+        }
+        for (int c = 0; c < mt; c++) {
+            const __m512i exact = _mm512_sub_epi32(sum[c], _mm512_set1_epi32(128 * xsum[c * blocks + g]));
+            acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_set1_ps(xs[c * blocks + g]), acc[c]);
+        }
+    }
+}
+
+/* xq [M, K] int8, xs [M, K / B] float32 (the activations' scales per block of B inputs), q [N, K] int8
+   (row-major, the decode layout), ws [N] float32, bias [N] bf16 or NULL, y [M, N] bf16:
+   y[m, n] = bf16(ws[n] · Σ_b xs[m, b] · Σ_{k ∈ b} xq[m, k] q[n, k] + bias[n]); B % 4 == 0, K % B == 0.
+   Each panel of 16 weight rows is first copied into words of four inputs (+128: vpdpbusd multiplies
+   unsigned by signed bytes, so each block's sum is corrected by 128 · Σ xq). Returns 0, -1 (out of
+   memory). */
+int hybridlm_prefill_int8(const int8_t* xq, const float* xs, int64_t M, const int8_t* q, const float* ws,
+                          const uint16_t* bias, uint16_t* y, int64_t N, int64_t K, int64_t B, int nthreads) {
+    const int64_t blocks = K / B, panels = (N + 15) / 16;
+    int32_t* xsum = malloc((size_t)(M * blocks) * sizeof(int32_t));
+    uint32_t* packed = aligned_alloc(64, (size_t)(nthreads * K / 4 * 16) * sizeof(uint32_t));
+    if (!xsum || !packed) { free(xsum); free(packed); return -1; }
+    #pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t i = 0; i < M * blocks; i++) {
+        int32_t t = 0;
+        for (int64_t k = i * B; k < (i + 1) * B; k++) t += xq[k];  /* row i / blocks, block i % blocks */
+        xsum[i] = t;
+    }
+    #pragma omp parallel num_threads(nthreads)
+    {
+        uint32_t* wp = packed + (int64_t)omp_get_thread_num() * (K / 4 * 16);
+        #pragma omp for schedule(static)
+        for (int64_t p = 0; p < panels; p++) {
+            const int64_t n0 = p * 16, width = N - n0 < 16 ? N - n0 : 16;
+            const __mmask16 lanes = (__mmask16)((1u << width) - 1);
+            memset(wp, 0, (size_t)(K / 4 * 16) * sizeof(uint32_t));
+            for (int64_t i = 0; i < width; i++) {
+                const uint32_t* row = (const uint32_t*)(q + (n0 + i) * K);
+                for (int64_t k4 = 0; k4 < K / 4; k4++) {
+                    uint32_t v;
+                    memcpy(&v, row + k4, 4);
+                    wp[k4 * 16 + i] = v ^ 0x80808080u;  /* each signed byte + 128 */
+                }
+            }
+            const __m512 wsv = _mm512_maskz_loadu_ps(lanes, ws + n0);
+            __m512 bv = _mm512_setzero_ps();
+            if (bias)
+                bv = _mm512_castsi512_ps(
+                    _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, bias + n0)), 16));
+            for (int64_t m0 = 0; m0 < M; m0 += MT) {
+                const int mt = M - m0 < MT ? (int)(M - m0) : MT;
+                __m512 acc[MT];
+                /* a constant row count per call site, so the tile's loops unroll into registers */
+                if (mt == MT) tile8(xq + m0 * K, xsum + m0 * blocks, xs + m0 * blocks, K, B, MT, wp, acc);
+                else tile8(xq + m0 * K, xsum + m0 * blocks, xs + m0 * blocks, K, B, mt, wp, acc);
+                for (int c = 0; c < mt; c++)
+                    _mm256_mask_storeu_epi16(y + (m0 + c) * N + n0, lanes,
+                                             (__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(acc[c], wsv, bv)));
+            }
+        }
+    }
+    free(xsum);
+    free(packed);
+    return 0;
+}
+
 int64_t hybridlm_prefill_available(void) { return 1; }
 #else
 /* Without AVX-512 VNNI the caller keeps its dequantized bf16 path. */
@@ -173,6 +242,12 @@ int hybridlm_prefill_int4(const int8_t* xq, const float* xs, int64_t M, const ui
                           int nthreads) {
     (void)xq; (void)xs; (void)M; (void)q; (void)scales; (void)fp16; (void)bias; (void)y; (void)N; (void)K;
     (void)G; (void)nthreads;
+    return -1;
+}
+
+int hybridlm_prefill_int8(const int8_t* xq, const float* xs, int64_t M, const int8_t* q, const float* ws,
+                          const uint16_t* bias, uint16_t* y, int64_t N, int64_t K, int64_t B, int nthreads) {
+    (void)xq; (void)xs; (void)M; (void)q; (void)ws; (void)bias; (void)y; (void)N; (void)K; (void)B; (void)nthreads;
     return -1;
 }
 
