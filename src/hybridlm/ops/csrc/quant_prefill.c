@@ -62,7 +62,7 @@ void hybridlm_quantize_rows(const uint16_t* x, int64_t M, int64_t K, int64_t B, 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512BF16__)
 #include <omp.h>
 
-#define MT 8 /* input rows a tile multiplies with one panel: 8 int32 + 8 float32 sums in registers */
+#define MT 12 /* input rows a tile multiplies with one panel: 12 int32 + 12 float32 sums in registers */
 
 /* The 16 scales of a panel's group as float32 (bf16 is the upper half of a float32; fp16 converts
    exactly); `lanes` masks the load for a short last panel. */
