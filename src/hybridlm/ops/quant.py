@@ -6,8 +6,7 @@ bf16 weight's bytes, int4 (with one bf16 scale per group of 64) reads 4.25 bits 
 - int8: symmetric per output channel, ``scale[n] = max|w[n]| / 127``, ``q = round(w / scale)``.
 - int4: symmetric per group of ``group_size`` weights of a row, with the sign of the group's
   largest-magnitude weight mapped to -8 (as llama.cpp's Q4_0 does, so all 16 levels are used):
-  ``scale = w_max / -8``, then refitted by least squares (`int4_groups`), rounded to bf16,
-  ``q = clamp(round(w / scale), -8, 7)``. Stored in panels of
+  ``scale = w_max / -8`` rounded to bf16, ``q = clamp(round(w / scale), -8, 7)``. Stored in panels of
   16 rows (`pack_int4`), the order the decode kernel reads; GPTQ checkpoints load into the same
   layout with their fp16 scales (`models.gptq`).
 
@@ -41,10 +40,6 @@ QUANTIZATIONS = ("int8", "int4")
 # they read 4.5 / 4.25 / 4.125 bits a weight. On the random Qwen3.5-0.8B preset 32 left KL 0.144
 # (2048 positions) and 64 left 0.164 (4096): 64 takes 6% fewer bytes for a 14% larger KL.
 INT4_GROUP = 64
-# Least-squares refits of each int4 group's scale (`int4_groups`), measured on N(0, 0.02²) weights,
-# groups of 64: relative RMS error 0.0950 (absmax) -> 0.0934 / 0.0926 / 0.0922 after 1 / 2 / 3, each
-# refit adding about the absmax pass's quantizing time (0.09 s per million weights, 2 threads).
-INT4_REFINE = 1
 # int4 weights are stored in panels of this many rows (one output per lane of a 16-float vector),
 # eight weights of a row to a 32-bit word.
 PANEL = 16
@@ -113,39 +108,6 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return (((words[..., None] >> shifts) & 15) - 8).to(torch.int8).view(n, half * 2)
 
 
-def int4_groups(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [N, K] float32 -> (q int8 [N, K] in [-8, 7], scale bf16 [N, K / group_size]).
-
-    Per group, first Q4_0's scale: the largest-magnitude weight, with its sign, over -8 (that weight
-    exact, all 16 levels used); then `INT4_REFINE` least-squares refits ``scale = Σ q w / Σ q²`` with
-    q requantized after each (as llama.cpp's make_qx_quants refines), each group keeping the scale
-    of least squared error ``Σ (q · scale - w)²``. Row chunks bound the temporaries (an LM head is a
-    quarter of a billion weights)."""
-    n, k = w.shape
-    rows = max(1, SLAB_ELEMENTS // k)
-    qs, scales = [], []
-    for r0 in range(0, n, rows):
-        g = w[r0 : r0 + rows].reshape(-1, k // group_size, group_size)
-        peak = g.gather(2, g.abs().argmax(dim=2, keepdim=True)).squeeze(2)
-        scale, best_q, best_scale, best_err = peak / -8.0, None, None, None
-        for _ in range(1 + INT4_REFINE):
-            scale = scale.to(torch.bfloat16).float()
-            scale = torch.where(scale == 0, torch.ones_like(scale), scale)
-            q = torch.round(g / scale[..., None]).clamp_(-8, 7)
-            err = (q * scale[..., None] - g).square_().sum(dim=2)
-            if best_err is None:
-                best_q, best_scale, best_err = q, scale, err
-            else:
-                better = err < best_err
-                best_q = torch.where(better[..., None], q, best_q)
-                best_scale = torch.where(better, scale, best_scale)
-                best_err = torch.where(better, err, best_err)
-            scale = (q * g).sum(dim=2) / q.square().sum(dim=2).clamp_min(1)
-        qs.append(best_q.to(torch.int8).view(-1, k))
-        scales.append(best_scale.to(torch.bfloat16))
-    return torch.cat(qs), torch.cat(scales)
-
-
 class QuantLinear(nn.Module):
     """A weight-only quantized ``Linear`` (made by `from_linear`, or built empty to load into).
 
@@ -192,7 +154,12 @@ class QuantLinear(nn.Module):
             out.qweight.copy_(torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8))
             out.scales.copy_(scale)
         else:
-            q, scale = int4_groups(w, group_size)
+            g = w.view(n, k // group_size, group_size)
+            # the group's largest-magnitude weight, with its sign, becomes -8
+            peak = g.gather(2, g.abs().argmax(dim=2, keepdim=True)).squeeze(2)
+            scale = (peak / -8.0).to(torch.bfloat16)
+            scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+            q = torch.round(g / scale.float()[..., None]).clamp_(-8, 7).to(torch.int8).view(n, k)
             out.qweight.copy_(pack_int4(q))
             out.scales.copy_(to_panels(scale))
         if layer.bias is not None:
