@@ -13,7 +13,7 @@ bf16 weight's bytes, int4 (with one bf16 scale per group of 64) reads 4.25 bits 
 Few-row bf16 CPU inputs (decode, speculative verify: up to ``FEW_TOKENS`` rows) run the C kernels of
 ``csrc/quant.c``, which read the packed weights directly and compute each row as they would alone.
 Larger bf16 CPU inputs (prefill) on a CPU with AVX-512 VNNI quantize their activations to int8 per
-row and multiply in integers (`quant_gemm`: about 5-7× the bf16 GEMM's speed without AMX). Elsewhere
+row and multiply in integers (`quant_gemm`: about 4× the bf16 GEMM's speed without AMX). Elsewhere
 they dequantize the weight to bf16 in slabs of rows and use the bf16 GEMM (``F.linear``); so do
 other devices and dtypes (where the whole weight is dequantized by torch).
 """
