@@ -40,7 +40,7 @@ import torch
 
 from hybridlm.batch import Batch
 from hybridlm.cache.base import LayerCache, Snapshot, tensor_bytes
-from hybridlm.cache.kv import KVCache, RowsSnapshot
+from hybridlm.cache.kv import KVCache, RowsSnapshot, held_bytes
 from hybridlm.cache.recurrent import ScanCache, ScanSnapshot
 from hybridlm.prefix.disk import CorruptFile, DiskTier, StoredNode, StoredSnapshot, monotonic_of, wall_clock
 from hybridlm.prefix.store import StoreTier, import_longer, publish_path
@@ -348,11 +348,11 @@ class PrefixCache:
     @property
     def pinned_bytes(self) -> int:
         """Bytes the running requests hold outside the RAM budget: every slot's live caches, working
-        restore points and hidden log (and the draft companion's)."""
+        restore points and hidden log (and the draft companion's); KV rows slots share (forks of one
+        prompt, copy-on-write) are counted once."""
         with self.lock:
-            own = 0
+            own = held_bytes([c for slot in self.slots for c in slot.caches])
             for slot in self.slots:
-                own += sum(c.nbytes for c in slot.caches if c is not None)
                 own += sum(_snap_bytes(s) for s in self._session_captures(slot)[1])
                 if slot.session is not None and slot.session.hidden_log:
                     own += tensor_bytes(*slot.session.hidden_log)
