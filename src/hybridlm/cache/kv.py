@@ -157,8 +157,7 @@ class RowsSnapshot(Snapshot):
 def held_bytes(caches) -> int:
     """Bytes the caches keep alive, each shared buffer counted once (None entries count 0)."""
     shared = {id(c.shared): c.shared.nbytes for c in caches if getattr(c, "shared", None) is not None}
-    own = sum(c.own_bytes if isinstance(c, KVCache) else c.nbytes for c in caches if c is not None)
-    return own + sum(shared.values())
+    return sum(c.nbytes for c in caches if c is not None) + sum(shared.values())
 
 
 class KVCache(LayerCache):
@@ -183,12 +182,8 @@ class KVCache(LayerCache):
 
     @property
     def nbytes(self) -> int:
-        """Bytes this cache keeps alive: its own buffer and the shared rows it reads (which every
-        holder counts: `held_bytes` counts each shared buffer once)."""
-        return self.own_bytes + (0 if self.shared is None else self.shared.nbytes)
-
-    @property
-    def own_bytes(self) -> int:
+        """Bytes of this cache's own buffer (the shared rows it reads are its holders' together:
+        `held_bytes` counts each shared buffer once)."""
         return tensor_bytes(self.k, self.v)
 
     @property

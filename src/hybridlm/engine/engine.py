@@ -446,12 +446,17 @@ class Engine:
 
     def _fork(self, parent: _Running) -> None:
         """Start the other choices of `parent`'s request, its prefill having just ended: each continues
-        from a copy of the prompt's state (`fork_caches`) with the prompt's logits and takes its share
-        of the admission's reservation; they join the running set at the end of this step."""
+        from the prompt's state (`fork_caches`: KV rows shared copy-on-write; with a prefix cache in a
+        session of its own, `PrefixCache.fork`) with the prompt's logits and takes its part of the
+        admission's reservation; they join the running set at the end of this step."""
         forks = []
         for index in range(1, parent.forks + 1):
             fork = self._sequence(parent.request, index)
-            fork.caches = fork_caches(parent.caches, self.model.make_caches(1))
+            if parent.session is not None:  # its continuation goes to the trie too
+                fork.session = self.prefix.fork(parent.session)
+                fork.caches = fork.session.caches
+            else:
+                fork.caches = fork_caches(parent.caches, self.model.make_caches(1))
             fork.forked = True
             fork.started, fork.prefill_done = parent.started, parent.prefill_done
             fork.prefill_pos = fork.position = parent.position
