@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, rule
 
 import hybridlm.engine.engine as engine_module
+from hybridlm.cache import KVCache
 from hybridlm.engine import Completion, Engine, SamplingParams
 from hybridlm.prefix.cache import CapturePlan, PrefixCache, common_prefix
 from hybridlm.speculative import NgramDrafter
@@ -92,7 +93,7 @@ class BatchingMachine(RuleBasedStateMachine):
 
     @rule(
         n=st.integers(2, 3),
-        extra=st.integers(64, 90),
+        extra=st.integers(64, 72),
         sampled=st.booleans(),
         speculative=st.booleans(),
         max_tokens=st.integers(1, 8),
@@ -167,15 +168,14 @@ def run_machine(monkeypatch, lm, with_prefix: bool) -> dict[str, int]:
         BatchingMachine._note("mixed", int(0 < rows.count("all") < len(rows)))
         return packed(model, segments, caches, rows, *rest, **options)
 
-    fork = engine_module.fork_caches
+    attach = KVCache.attach
 
-    def watched_fork(caches, fresh):
-        out = fork(caches, fresh)
-        BatchingMachine._note("shared", int(any(getattr(c, "shared", None) is not None for c in out)))
-        return out
+    def watched_attach(cache, shared, source):
+        BatchingMachine._note("shared", 1)  # a fork reads its prompt's rows from a shared buffer
+        return attach(cache, shared, source)
 
     monkeypatch.setattr(engine_module, "forward_packed", watched)
-    monkeypatch.setattr(engine_module, "fork_caches", watched_fork)
+    monkeypatch.setattr(KVCache, "attach", watched_attach)
     BatchingMachine.lm = lm
     BatchingMachine.with_prefix = with_prefix
     BatchingMachine.solo_cache = {}
