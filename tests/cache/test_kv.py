@@ -850,9 +850,8 @@ class RowsMachine(RuleBasedStateMachine):
             assert torch.equal(shared.k.nan_to_num(7.0), k.nan_to_num(7.0))
             assert torch.equal(shared.v.nan_to_num(7.0), v.nan_to_num(7.0))
             assert shared.holders == sum(c.shared is shared for c in caches)
-        assert held_bytes(caches) == sum(c.nbytes for c in caches) + sum(
-            s.nbytes for s in {id(c.shared): c.shared for c in caches if c.shared is not None}.values()
-        )
+        buffers = {c.shared.k.untyped_storage().data_ptr(): c.shared for c in caches if c.shared is not None}
+        assert held_bytes(caches) == sum(c.nbytes for c in caches) + sum(s.nbytes for s in buffers.values())
 
     @invariant()
     def bytes_are_accounted(self):

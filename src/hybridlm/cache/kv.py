@@ -156,7 +156,8 @@ class RowsSnapshot(Snapshot):
 
 def held_bytes(caches) -> int:
     """Bytes the caches keep alive, each shared buffer counted once (None entries count 0)."""
-    shared = {id(c.shared): c.shared.nbytes for c in caches if getattr(c, "shared", None) is not None}
+    held = [c.shared for c in caches if getattr(c, "shared", None) is not None]
+    shared = {s.k.untyped_storage().data_ptr(): s.nbytes for s in held}  # a re-share views the same buffer
     return sum(c.nbytes for c in caches if c is not None) + sum(shared.values())
 
 
