@@ -15,7 +15,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, rule
 
 import hybridlm.engine.engine as engine_module
 from hybridlm.cache import KVCache
@@ -91,13 +91,20 @@ class BatchingMachine(RuleBasedStateMachine):
         for sampled in kinds:
             self._submit([], 8, sampled, True, max_tokens)
 
-    @rule(
+    CHOICES = dict(
         n=st.integers(2, 3),
         extra=st.integers(64, 72),
         sampled=st.booleans(),
         speculative=st.booleans(),
         max_tokens=st.integers(1, 8),
     )
+
+    @initialize(**CHOICES)
+    def first_choices(self, n, extra, sampled, speculative, max_tokens):
+        """Every example begins with one (a later cancellation may end it before it forks)."""
+        self.choices(n, extra, sampled, speculative, max_tokens)
+
+    @rule(**CHOICES)
     def choices(self, n, extra, sampled, speculative, max_tokens):
         """n choices of a prompt past a key block: they share its KV rows (copy-on-write)."""
         self._submit([], extra, sampled, speculative, max_tokens, n)
