@@ -362,10 +362,8 @@ def make_engine(model, args):
     speculative = make_speculator(model, args)
     prefix = None
     if not args.no_prefix_cache:
-        # Its live caches are allocated here: with more than one torch thread this thread would make an
-        # OpenMP pool of its own beside the engine's, and every decode step would pay the futex
-        # wake-ups `serial_setup` describes (the likely cause of 80 ms per token served with the
-        # prefix cache against 64 without, Qwen3.5-0.8B shape, 2 threads).
+        # Whatever it allocates here must not make this thread an OpenMP pool of its own beside the
+        # engine's: every decode step would pay the futex wake-ups `serial_setup` describes.
         with serial_setup():
             disk = None
             if args.cache_dir:

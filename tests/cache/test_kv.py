@@ -19,6 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from hybridlm.batch import Batch
 from hybridlm.cache import KVCache, RowsSnapshot, SlidingKVCache
+from hybridlm.cache.kv import SharedRows, held_bytes
 
 H, D, VOCAB = 2, 4, 1000
 UNKNOWN = -1
@@ -85,6 +86,9 @@ def reach(snap: RowsSnapshot) -> list[int]:
 def check_history(hist, paths: list[list[int]], offsets: list[int], lens: list[int], window) -> None:
     """The history of one update: every query of row b sees its window, equal to row b's truth."""
     assert hist.window == window
+    if hist.prefix is not None:  # a fork reads its shared rows first: check them as one buffer
+        keys, values = (torch.cat([p, own], dim=2) for p, own in zip(hist.prefix, hist[:2], strict=True))
+        hist = hist._replace(keys=keys, values=values, prefix=None)
     ks, width = hist.key_start, hist.keys.shape[2]
     assert hist.values.shape[2] == width
     if window is None:
@@ -622,7 +626,8 @@ class Entry:
 
 class RowsMachine(RuleBasedStateMachine):
     """Random writes, snapshots, rewinds, restores, splits, merges, compactions and frees against
-    the list-of-rows truth."""
+    the list-of-rows truth; forks sharing rows copy-on-write (`share` / `attach`) are driven by the
+    same rules and must hold exactly the rows a private copy would."""
 
     window: int | None = None
 
@@ -638,6 +643,8 @@ class RowsMachine(RuleBasedStateMachine):
         self.acct = 0  # the owner's view of the snapshots' bytes, kept by nbytes and on_grow
         self.last_write = 0  # rewinds to offsets at or after this are guaranteed to work
         self.checks = 0
+        self.forks: list[tuple[KVCache, list[int], int]] = []  # the other caches: cache, path, last write
+        self.frozen: list[tuple[SharedRows, torch.Tensor, torch.Tensor]] = []  # shared rows as shared
 
     # -- bookkeeping
     def _grew(self, delta: int) -> None:
@@ -797,6 +804,29 @@ class RowsMachine(RuleBasedStateMachine):
         with pytest.raises(RuntimeError):
             e.snap.free()
 
+    @precondition(lambda self: len(self.forks) < 3)
+    @rule(block=st.sampled_from([1, 2, 4]))
+    def fork(self, block):
+        shared = self.cache.share(block)
+        if shared is None:
+            assert self.cache.offset // block * block <= max(self.cache.first_held, self.cache.valid_from)
+            return
+        assert shared.end == self.cache.offset // block * block
+        if all(f[0] is not shared for f in self.frozen):
+            self.frozen.append((shared, shared.k.clone(), shared.v.clone()))
+        other = self.new_cache(self.cache.step)
+        other.attach(shared, self.cache)
+        self.forks.append((other, list(self.path), other.offset))
+
+    @precondition(lambda self: self.forks)
+    @rule(data=st.data())
+    def switch(self, data):
+        """Go on driving one of the forks (rules act on `self.cache`)."""
+        i = data.draw(st.integers(0, len(self.forks) - 1))
+        other, path, last = self.forks[i]
+        self.forks[i] = (self.cache, self.path, self.last_write)
+        self.cache, self.path, self.last_write = other, path, last
+
     @rule()
     def free_cache(self):
         self.cache.free()
@@ -808,6 +838,20 @@ class RowsMachine(RuleBasedStateMachine):
     def live_rows_are_the_truth(self):
         if hasattr(self, "cache"):
             assert_live(self.cache, self.path)
+
+    @invariant()
+    def forks_hold_their_truth_and_shared_rows_never_change(self):
+        if not hasattr(self, "cache"):
+            return
+        caches = [self.cache, *(f[0] for f in self.forks)]
+        for other, path, _ in self.forks:
+            assert_live(other, path)
+        for shared, k, v in self.frozen:
+            assert torch.equal(shared.k.nan_to_num(7.0), k.nan_to_num(7.0))
+            assert torch.equal(shared.v.nan_to_num(7.0), v.nan_to_num(7.0))
+            assert shared.holders == sum(c.shared is shared for c in caches)
+        buffers = {c.shared.k.untyped_storage().data_ptr(): c.shared for c in caches if c.shared is not None}
+        assert held_bytes(caches) == sum(c.nbytes for c in caches) + sum(s.nbytes for s in buffers.values())
 
     @invariant()
     def bytes_are_accounted(self):
@@ -828,7 +872,8 @@ class RowsMachine(RuleBasedStateMachine):
             total += s.nbytes
         assert self.acct == total == sum(e.snap.nbytes for e in self.entries)
         assert all(s.closed for s in self.consumed)
-        assert len(self.cache._lazy) == sum(e.snap.lazy for e in self.entries)
+        caches = [self.cache, *(f[0] for f in self.forks)]
+        assert sum(len(c._lazy) for c in caches) == sum(e.snap.lazy for e in self.entries)
 
     @invariant()
     def open_snapshots_restore_their_reach(self):

@@ -1,6 +1,7 @@
-"""The stateful property of continuous batching: random arrivals, cancellations, prefix hits and
-speculative / plain requests run through one engine; every finished request's output equals its solo
-run, every cancelled one's is a prefix of it, and every request's prefix reuse equals the brute-force
+"""The stateful property of continuous batching: random arrivals, cancellations, prefix hits,
+speculative / plain requests and n > 1 choices (sharing their prompt's KV rows) run through one
+engine; every finished request's output (each choice's: the request with n = 1 and seed + i) equals
+its solo run, every cancelled one's is a prefix of it, and every request's prefix reuse equals the brute-force
 oracle (the longest prefix of its prompt among all token sequences stored before it began). The
 speculative requests draft whenever they can, so several sequences' verify rows share packed
 forwards with plain decode rows."""
@@ -14,9 +15,10 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, rule
 
 import hybridlm.engine.engine as engine_module
+from hybridlm.cache import KVCache
 from hybridlm.engine import Completion, Engine, SamplingParams
 from hybridlm.prefix.cache import CapturePlan, PrefixCache, common_prefix
 from hybridlm.speculative import NgramDrafter
@@ -89,7 +91,25 @@ class BatchingMachine(RuleBasedStateMachine):
         for sampled in kinds:
             self._submit([], 8, sampled, True, max_tokens)
 
-    def _submit(self, shared, extra, sampled, speculative, max_tokens):
+    CHOICES = dict(
+        n=st.integers(2, 3),
+        extra=st.integers(64, 72),
+        sampled=st.booleans(),
+        speculative=st.booleans(),
+        max_tokens=st.integers(1, 8),
+    )
+
+    @initialize(**CHOICES)
+    def first_choices(self, n, extra, sampled, speculative, max_tokens):
+        """Every example begins with one (a later cancellation may end it before it forks)."""
+        self.choices(n, extra, sampled, speculative, max_tokens)
+
+    @rule(**CHOICES)
+    def choices(self, n, extra, sampled, speculative, max_tokens):
+        """n choices of a prompt past a key block: they share its KV rows (copy-on-write)."""
+        self._submit([], extra, sampled, speculative, max_tokens, n)
+
+    def _submit(self, shared, extra, sampled, speculative, max_tokens, n=1):
         # Few distinct ids: n-gram drafts get accepted, prompts share prefixes.
         prompt = shared + [self.rng.randrange(1, 12) for _ in range(extra)]
         self.prompts.append(prompt)
@@ -99,10 +119,13 @@ class BatchingMachine(RuleBasedStateMachine):
             max_tokens=max_tokens,
             ignore_eos=True,
             speculative=speculative,
+            n=n,
         )
-        result = Completion()
-        handle = self.engine.submit(prompt, params, result.add)
-        self.requests.append((prompt, params, result, handle))
+        results = [Completion() for _ in range(n)]
+        handle = self.engine.submit(prompt, params, lambda event: results[event.index].add(event))
+        for i, result in enumerate(results):  # choice i's oracle: the request with n = 1, seed + i
+            alone = SamplingParams(**{**params.__dict__, "n": 1, "seed": params.choice_seed(i)})
+            self.requests.append((prompt, alone, result, handle))
 
     @rule(which=st.integers(0, 30))
     def cancel(self, which):
@@ -152,7 +175,14 @@ def run_machine(monkeypatch, lm, with_prefix: bool) -> dict[str, int]:
         BatchingMachine._note("mixed", int(0 < rows.count("all") < len(rows)))
         return packed(model, segments, caches, rows, *rest, **options)
 
+    attach = KVCache.attach
+
+    def watched_attach(cache, shared, source):
+        BatchingMachine._note("shared", 1)  # a fork reads its prompt's rows from a shared buffer
+        return attach(cache, shared, source)
+
     monkeypatch.setattr(engine_module, "forward_packed", watched)
+    monkeypatch.setattr(KVCache, "attach", watched_attach)
     BatchingMachine.lm = lm
     BatchingMachine.with_prefix = with_prefix
     BatchingMachine.solo_cache = {}
@@ -184,4 +214,5 @@ def test_outputs_do_not_depend_on_what_else_runs(demo_dir, dtype, with_prefix, m
     assert seen["running"] > 1 and seen["cancelled"] and seen["verify_passes"]
     # Several sequences' verify rows in one forward, and verify rows beside plain decode rows.
     assert seen["verify_segments"] >= 2 and seen["mixed"], seen
+    assert seen["shared"], seen  # n > 1 choices shared their prompt's KV rows
     assert seen.get("hit") or not with_prefix

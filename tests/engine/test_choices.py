@@ -1,6 +1,7 @@
 """`n > 1`: one prompt prefilled once, n choices forked from its state, each a sequence of its own;
 choice i equals the same request with n = 1 and seed + i (bf16, bit for bit), greedy choices are
-equal, a cancelled request ends every choice, n beyond max_running is refused."""
+equal, the choices share the prompt's KV rows (copy-on-write) and every choice's continuation reaches the
+prefix trie, a cancelled request ends every choice, n beyond max_running is refused."""
 
 from __future__ import annotations
 
@@ -8,8 +9,12 @@ import pytest
 import torch
 
 import hybridlm
+import hybridlm.engine.engine as engine_module
+from hybridlm.cache import KVCache
+from hybridlm.cache.kv import held_bytes
 from hybridlm.engine import Engine, InvalidParameter, SamplingParams
-from hybridlm.prefix.cache import PrefixCache
+from hybridlm.ops.attention import KEY_BLOCK
+from hybridlm.prefix.cache import PrefixCache, common_prefix
 from hybridlm.speculative import NgramDrafter
 from tests.engine.test_engine import wait_until
 from tests.speculative.helpers import speculator
@@ -94,3 +99,60 @@ def test_n_beyond_max_running_is_refused(model, chat_ids):
     with Engine(model.lm, model.tokenizer, max_running=2) as engine, pytest.raises(InvalidParameter) as info:
         engine.submit(chat_ids("Hi"), SamplingParams(n=3), lambda e: None)
     assert info.value.param == "n"
+
+
+def test_choices_of_a_long_prompt_share_its_kv_rows(model, chat_ids, monkeypatch):
+    """n = 4 after a ~1,450-token prompt: the choices read one copy of the prompt's KV rows (copy-on-
+    write) and each holds only its own rows after the split, not a copy of the prompt; every choice
+    still equals its seeded request alone, bit for bit in bf16."""
+    ids = chat_ids("Tell me a story about a robot " * 120)
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=3, max_tokens=6, ignore_eos=True, n=4)
+    held: dict[int, list] = {}  # every choice's caches, kept past the request's end
+    fork = engine_module.fork_caches
+
+    def watched(caches, fresh):
+        held[id(caches)] = caches
+        out = held[id(fresh)] = fork(caches, fresh)
+        return out
+
+    monkeypatch.setattr(engine_module, "fork_caches", watched)
+    with Engine(model.lm, model.tokenizer, max_running=4) as engine:
+        choices = engine.generate_choices(ids, params)
+    assert [c.token_ids for c in choices] == solo(model.lm, model.tokenizer, ids, params)
+    assert len(held) == 4
+    split = len(ids) // KEY_BLOCK * KEY_BLOCK
+    layers = [list(layer) for layer in zip(*held.values(), strict=True) if isinstance(layer[0], KVCache)]
+    assert layers
+    for layer in layers:
+        shared = layer[0].shared
+        assert all(c.shared is shared for c in layer) and shared.holders == 4
+        assert (shared.start, shared.end) == (0, split)
+        row = shared.k[0, :, 0].numel() * shared.k.element_size() * 2  # a position's key + value
+        prompt_buffer = -(-len(ids) // layer[0].step) * layer[0].step * row
+        assert shared.nbytes == prompt_buffer  # the prefill's buffer, frozen: no copy was made
+        for c in layer:  # own rows: the few after the split and the generated ones (one growth step)
+            assert c.nbytes == layer[0].step * row
+        cow = held_bytes(layer)
+        assert cow == prompt_buffer + 4 * layer[0].step * row
+        assert cow < 0.45 * 4 * prompt_buffer  # four private copies of the prompt's rows
+
+
+def test_every_choice_reaches_the_trie(model32, chat_ids):
+    """Each choice's continuation is attached below the prompt's node when it ends: a follow-up of
+    any choice restores exactly what the brute-force oracle (the longest prefix among every stored
+    sequence) says, and still answers as it does alone (float32: a hit rounds as a full prefill)."""
+    ids = chat_ids("Tell me a story about a robot " * 8)
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=5, max_tokens=6, ignore_eos=True, n=3)
+    prefix = PrefixCache(model32.lm)
+    greedy = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    with Engine(model32.lm, model32.tokenizer, max_running=3, prefix=prefix) as engine:
+        choices = engine.generate_choices(ids, params)
+        assert [c.token_ids for c in choices] == solo(model32.lm, model32.tokenizer, ids, params)
+        stored = [ids + c.token_ids[:-1] for c in choices]  # what each choice fed (its last token: not)
+        assert len({tuple(s) for s in stored}) == 3
+        for c in choices:
+            follow = ids + c.token_ids + [5]
+            got = engine.generate(follow, greedy)
+            oracle = max(common_prefix(s, follow[:-1]) for s in stored)
+            assert got.usage.cached_tokens == oracle == len(stored[0])
+            assert got.token_ids == solo(model32.lm, model32.tokenizer, follow, greedy)[0]

@@ -62,3 +62,32 @@ def test_random_arrivals_and_cancellations_leave_every_family_exact(checkpoints,
     (multi-row segments) share packed forwards."""
     seen = run_machine(monkeypatch, load_model(checkpoints(name).path, device="cpu"), False)
     assert seen["running"] > 1 and seen["cancelled"] and seen["verify_segments"] >= 1, seen
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_choices_of_every_family_share_the_prompts_rows_and_equal_their_seeded_requests(checkpoints, name):
+    """n = 3 after a 100-token prompt: the choices read the prompt's KV rows from one shared buffer
+    (copy-on-write; sliding, KV-shared and soft-capped layers too) and each equals the request with
+    n = 1 and seed + i alone, bit for bit in bf16."""
+    lm = load_model(checkpoints(name).path, device="cpu")
+    ids = [random.Random(4).randrange(1, 500) for _ in range(100)]
+    params = SamplingParams(temperature=0.9, top_p=0.9, seed=11, max_tokens=8, ignore_eos=True, n=3)
+    shared = []
+    fork = engine_module.fork_caches
+
+    def watched(caches, fresh):
+        out = fork(caches, fresh)
+        shared.extend(c.shared for c in out if getattr(c, "shared", None) is not None)
+        return out
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(engine_module, "fork_caches", watched)
+        with Engine(lm, None, prefill_chunk=32, max_running=3) as engine:
+            choices = [c.token_ids for c in engine.generate_choices(ids, params)]
+    want = []
+    for i in range(3):
+        alone = SamplingParams(**{**params.__dict__, "n": 1, "seed": params.choice_seed(i)})
+        with Engine(lm, None, prefill_chunk=32, max_running=1) as engine:
+            want.append(engine.generate(ids, alone).token_ids)
+    assert choices == want
+    assert shared and all(s.end == 64 for s in shared)

@@ -8,7 +8,7 @@ import torch
 
 from hybridlm.batch import Batch
 from hybridlm.ops import attention as attention_mod
-from hybridlm.ops.attention import KERNEL_MAX_QUERIES, attention
+from hybridlm.ops.attention import KERNEL_MAX_QUERIES, KEY_BLOCK, attention
 
 needs_kernel = pytest.mark.skipif(attention_mod.KERNEL.get() is None, reason="attention kernel not built")
 
@@ -86,3 +86,33 @@ def test_many_queries_use_sdpa(monkeypatch):
     got = attention(q, k, v, Batch.single([0] * L), key_start=0, scale=0.2)
     ref = reference(q, k, v, Batch.single([0] * L), 0, 0.2)
     torch.testing.assert_close(got.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("L", "window", "softcap"), [(1, None, None), (9, None, 30.0), (4, 100, None)])
+@pytest.mark.parametrize("split", [KEY_BLOCK, 2 * KEY_BLOCK, 3 * KEY_BLOCK, 100])
+def test_split_buffers_give_the_single_buffers_bits(dtype, L, window, softcap, split):
+    """A shared prefix buffer then the sequence's own buffer (copy-on-write) read as one: the same
+    bits as the single buffer, for splits at key blocks (what caches use) and off them."""
+    T, key_start = 230, 10
+    q, k, v = inputs(1, 8, 2, L, T, 64, dtype, seed=split + L)
+    own_k, own_v = torch.randn(1, 2, 300, 64).to(dtype), torch.randn(1, 2, 300, 64).to(dtype)
+    cut = split - key_start
+    own_k[:, :, : T - cut], own_v[:, :, : T - cut] = k[:, :, cut:], v[:, :, cut:]  # a strided own buffer
+    batch = Batch.single([0] * L, offset=key_start + T - L)
+    kw = dict(key_start=key_start, scale=0.125, window=window, softcap=softcap)
+    one = attention(q, k, v, batch, **kw)
+    prefix = (k[:, :, :cut], v[:, :, :cut])
+    two = attention(q, own_k[:, :, : T - cut], own_v[:, :, : T - cut], batch, prefix=prefix, **kw)
+    assert torch.equal(one, two)
+
+
+def test_split_buffers_are_joined_where_the_kernel_does_not_run(monkeypatch):
+    monkeypatch.setattr(attention_mod, "KERNEL", None)  # SDPA over the concatenation
+    q, k, v = inputs(1, 4, 2, 30, 130, 32, torch.float32, seed=9)
+    batch = Batch.single([0] * 30, offset=100)
+    one = attention(q, k, v, batch, key_start=0, scale=0.2)
+    prefix = (k[:, :, :64], v[:, :, :64])
+    two = attention(q, k[:, :, 64:], v[:, :, 64:], batch, key_start=0, scale=0.2, prefix=prefix)
+    assert torch.equal(one, two)

@@ -5,6 +5,12 @@ Both keep keys/values in one buffer `[B, H, capacity, D]` whose row i holds abso
 that no future query can see when it needs room, so it holds at most `window - 1 + L + step`
 rows. Snapshots are rows too, and start *lazy*: they name a range of the live buffer and own no
 bytes until a write (or a trim) is about to destroy that range, when they copy it out.
+
+Copy-on-write: caches forked from one sequence (`share`, `attach`) read the rows before a split
+point from one read-only `SharedRows` buffer and hold their own rows after it (the buffer then
+starts at `start_pos` = the split). The split is the fork offset rounded down to the attention
+kernel's key block, a function of the forked sequence alone. A write below the split detaches
+(the cache copies the shared rows into a buffer of its own first).
 """
 
 from __future__ import annotations
@@ -15,16 +21,48 @@ import torch
 
 from hybridlm.batch import Batch
 from hybridlm.cache.base import LayerCache, Snapshot, tensor_bytes
+from hybridlm.ops.attention import KEY_BLOCK
 
 
 class AttentionHistory(NamedTuple):
     """What an attention layer sees: keys/values [B, H, T, D] at absolute positions
-    [key_start, key_start + T), and the window its mask must enforce (None: causal only)."""
+    [key_start, key_start + T), and the window its mask must enforce (None: causal only). With a
+    `prefix` (keys, values) [B, H, P, D] (a shared read-only buffer's rows), the prefix holds
+    [key_start, key_start + P) and keys/values the positions after it."""
 
     keys: torch.Tensor
     values: torch.Tensor
     key_start: int
     window: int | None
+    prefix: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def after(self, start: int) -> AttentionHistory:
+        """The history without the positions before `start` (no copy)."""
+        cut = start - self.key_start
+        if cut <= 0:
+            return self
+        if self.prefix is None or cut >= self.prefix[0].shape[2]:
+            own = cut - (0 if self.prefix is None else self.prefix[0].shape[2])
+            return AttentionHistory(self.keys[:, :, own:], self.values[:, :, own:], start, self.window)
+        prefix = (self.prefix[0][:, :, cut:], self.prefix[1][:, :, cut:])
+        return AttentionHistory(self.keys, self.values, start, self.window, prefix)
+
+
+class SharedRows:
+    """Read-only key/value rows of positions [start, end), shared by the caches forked from one
+    sequence (`KVCache.share`); `holders` counts the caches reading them. Nothing writes to `k`, `v`
+    once shared: a cache that must change a row below `end` copies them first (`KVCache._detach`)."""
+
+    def __init__(self, start: int, k: torch.Tensor, v: torch.Tensor):
+        self.start, self.end = start, start + k.shape[2]
+        self.k, self.v = k, v
+        self.holders = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes kept alive: the whole buffers `k`, `v` view (the frozen buffer of the sequence that
+        shared them, its growth slack included)."""
+        return self.k.untyped_storage().nbytes() + self.v.untyped_storage().nbytes()
 
 
 class RowsSnapshot(Snapshot):
@@ -116,6 +154,13 @@ class RowsSnapshot(Snapshot):
         self.k = self.v = None
 
 
+def held_bytes(caches) -> int:
+    """Bytes the caches keep alive, each shared buffer counted once (None entries count 0)."""
+    held = [c.shared for c in caches if getattr(c, "shared", None) is not None]
+    shared = {s.k.untyped_storage().data_ptr(): s.nbytes for s in held}  # a re-share views the same buffer
+    return sum(c.nbytes for c in caches if c is not None) + sum(shared.values())
+
+
 class KVCache(LayerCache):
     """Append-only keys/values of a full-attention layer; capacity grows in steps of `step` rows."""
 
@@ -129,6 +174,7 @@ class KVCache(LayerCache):
         self.start_pos = 0
         self.valid_from = 0
         self._lazy: list[RowsSnapshot] = []
+        self.shared: SharedRows | None = None  # rows before `start_pos`, read-only (copy-on-write)
 
     # ---- storage -------------------------------------------------------------------------
     @property
@@ -137,15 +183,103 @@ class KVCache(LayerCache):
 
     @property
     def nbytes(self) -> int:
+        """Bytes of this cache's own buffer (the shared rows it reads are its holders' together:
+        `held_bytes` counts each shared buffer once)."""
         return tensor_bytes(self.k, self.v)
 
+    @property
+    def first_held(self) -> int:
+        """The first position whose row the cache holds (shared or own)."""
+        return self.start_pos if self.shared is None else self.shared.start
+
     def rows(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows of positions [lo, hi): views, or a concatenation (a copy) when they span the split."""
+        if self.shared is not None and lo < self.start_pos and lo < hi:
+            shared = self.shared
+            if lo < shared.start:
+                raise IndexError(f"rows [{lo}, {hi}) are not held (shared rows start at {shared.start})")
+            i, j = lo - shared.start, hi - shared.start
+            sk, sv = shared.k[:, :, i:j], shared.v[:, :, i:j]
+            if hi <= self.start_pos:
+                return sk, sv
+            ok, ov = self.rows(self.start_pos, hi)
+            return torch.cat([sk, ok], dim=2), torch.cat([sv, ov], dim=2)
+        if lo >= hi and self.k is None and self.shared is not None:  # no rows, no own buffer
+            return self.shared.k[:, :, :0], self.shared.v[:, :, :0]
         i, j = lo - self.start_pos, hi - self.start_pos
         if lo >= hi and self.k is not None:  # no rows: wherever they would be
             i = j = 0
         if i < 0 or j > self.capacity:
             raise IndexError(f"rows [{lo}, {hi}) are not held (buffer holds from {self.start_pos})")
         return self.k[:, :, i:j], self.v[:, :, i:j]
+
+    # ---- copy-on-write ---------------------------------------------------------------------
+    def share(self, block: int = KEY_BLOCK) -> SharedRows | None:
+        """Make the rows before `offset` rounded down to `block` a read-only `SharedRows` that forks
+        of this cache `attach` to (this cache reads them from there too), or None when there are
+        none to share. The rows become shared without a copy: the current buffer is frozen (only the
+        shared views keep it) and this cache continues in a new buffer holding the rows after the
+        split (fewer than `block` rows are copied)."""
+        end = self.offset
+        split = end // block * block
+        if self.shared is not None and self.shared.end == split:
+            return self.shared
+        first = max(self.first_held, self.valid_from)
+        if split <= first:
+            return None
+        keep_hi = max([end, *(s.end for s in self._lazy)])  # lazy snapshots may name rows past `end`
+        k, v = self.rows(first, split)
+        shared = SharedRows(first, k, v)
+        tail_k, tail_v = self.rows(split, min(keep_hi, self.start_pos + self.capacity))
+        tail_k, tail_v = tail_k.clone(), tail_v.clone()
+        self._release_shared()
+        self.k = self.v = None
+        self.start_pos = split
+        self._attach_shared(shared)
+        if tail_k.shape[2]:
+            self._ensure(split + tail_k.shape[2], tail_k, tail_v)
+            self.k[:, :, : tail_k.shape[2]] = tail_k
+            self.v[:, :, : tail_v.shape[2]] = tail_v
+        return shared
+
+    def attach(self, shared: SharedRows, source: KVCache) -> None:
+        """Become a fork of `source` (which `share`d `shared`): read the shared rows, copy the
+        source's own rows up to its offset; this cache's previous state is dropped."""
+        self.free()
+        self._attach_shared(shared)
+        self.start_pos = shared.end
+        self.valid_from = source.valid_from
+        end = source.offset
+        if end > shared.end:
+            k, v = source.rows(shared.end, end)
+            self._ensure(end, k, v)
+            self.k[:, :, : end - shared.end] = k
+            self.v[:, :, : end - shared.end] = v
+        self.offsets = [end] * self.batch_size
+        self._clear_schedule_after_restore()
+
+    def _attach_shared(self, shared: SharedRows) -> None:
+        shared.holders += 1
+        self.shared = shared
+
+    def _release_shared(self) -> None:
+        if self.shared is not None:
+            self.shared.holders -= 1
+            self.shared = None
+
+    def _detach(self) -> None:
+        """Copy the shared rows into a buffer of this cache's own (before a write below the split)."""
+        lo = self.shared.start
+        hi = max([self.offset, self.start_pos, *(s.end for s in self._lazy)])
+        hi = min(hi, self.start_pos + self.capacity) if self.k is not None else self.start_pos
+        k, v = self.rows(lo, hi)
+        k, v = k.clone(), v.clone()
+        self._release_shared()
+        self.k = self.v = None
+        self.start_pos = lo
+        self._ensure(hi, k, v)
+        self.k[:, :, : hi - lo] = k
+        self.v[:, :, : hi - lo] = v
 
     def _copy_out_lazy(self, lo: int, hi: int) -> None:
         """Lazy snapshots whose rows intersect [lo, hi) copy out before those rows change."""
@@ -171,6 +305,8 @@ class KVCache(LayerCache):
     def _write(self, lo: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write rows [lo, lo + n) for every row of the batch."""
         hi = lo + k.shape[2]
+        if self.shared is not None and lo < self.start_pos:
+            self._detach()
         self._make_room(lo, hi)
         self._copy_out_lazy(lo, hi)
         self._ensure(hi, k, v)
@@ -188,6 +324,8 @@ class KVCache(LayerCache):
             self._write(old[0], k, v)
         else:
             lo = min(old)
+            if self.shared is not None and lo < self.start_pos:
+                self._detach()
             self._make_room(lo, max(old) + length)
             self._copy_out_lazy(lo, max(old) + length)
             self._ensure(max(old) + length, k, v)
@@ -199,9 +337,23 @@ class KVCache(LayerCache):
         if self._scheduled:
             self._capture(old[0], self.offset)
         hi = max(old) + length
-        lo = self.start_pos if self.window is None else max(self.start_pos, min(old) - self.window + 1)
+        first = self.first_held
+        lo = first if self.window is None else max(first, min(old) - self.window + 1)
+        spanned = self._scheduled and self._capture_from < self.start_pos  # by a range capture to come
+        if self.shared is not None and self.window is not None and lo >= self.start_pos and not spanned:
+            self._drop_shared()  # no query reads the shared rows any more
+        if lo < self.start_pos:  # the kernel walks the shared rows then the own rows as one buffer
+            shared = self.shared
+            prefix = (shared.k[:, :, lo - shared.start :], shared.v[:, :, lo - shared.start :])
+            keys, values = self.rows(self.start_pos, hi)
+            return AttentionHistory(keys, values, lo, self.window, prefix)
         keys, values = self.rows(lo, hi)
         return AttentionHistory(keys, values, lo, self.window)
+
+    def _drop_shared(self) -> None:
+        """Stop reading the shared rows (lazy snapshots naming them copy out first)."""
+        self._copy_out_lazy(self.shared.start, self.shared.end)
+        self._release_shared()
 
     def _capture(self, old: int, new: int) -> None:
         for o in self._crossed(old, new):
@@ -211,7 +363,7 @@ class KVCache(LayerCache):
 
     def _lazy_snapshot(self, start: int, end: int) -> RowsSnapshot:
         # Rows before `valid_from` are not on this path (a restore from a snapshot alone): never name them.
-        rows_start = min(end, max(start, self.start_pos, self.valid_from))
+        rows_start = min(end, max(start, self.first_held, self.valid_from))
         snap = RowsSnapshot(start, end, rows_start, self.window, owner=self)
         self._lazy.append(snap)
         return snap
@@ -225,7 +377,7 @@ class KVCache(LayerCache):
 
     def _holds(self, lo: int, hi: int) -> bool:
         """True when the live buffer holds valid rows for positions [lo, hi)."""
-        return hi <= self.offset and (lo >= hi or lo >= max(self.start_pos, self.valid_from))
+        return hi <= self.offset and (lo >= hi or lo >= max(self.first_held, self.valid_from))
 
     def can_rewind(self, target: int) -> bool:
         low = 0 if self.window is None else max(0, target - self.window + 1)
@@ -326,10 +478,11 @@ class KVCache(LayerCache):
         return merged
 
     def free(self) -> None:
-        if self.k is not None:  # without a buffer, lazy snapshots name no rows: nothing to copy out
+        if self.k is not None or self.shared is not None:  # else lazy snapshots name no rows
             for snap in list(self._lazy):
                 snap.materialize()
         self.k = self.v = None
+        self._release_shared()
         self.offsets = [0] * self.batch_size
         self.start_pos = self.valid_from = 0
 

@@ -85,6 +85,7 @@ class _Running:
     speculation: RequestSpeculation | None = None  # None: plain decoding
     prefill_pos: int | None = None  # next prompt position to prefill (None: prefill not begun)
     reserved: int = 0  # bytes of state and KV its admission counted
+    shared_reserved: int = 0  # the part of `reserved` its forks read (shared KV rows)
     matcher: Matcher | None = None  # the request's grammar state (None: unconstrained)
     prefill_done: float | None = None
     first_token: float | None = None
@@ -173,7 +174,11 @@ class Engine:
         self.max_batch_tokens = max_batch_tokens
         self.max_memory = max_memory if max_memory is not None else available_memory() // 2
         self._reserved = 0
-        self._cost = CacheCost.of(model)
+        # It allocates a sequence's caches: on this thread with more than one torch thread that would
+        # make a second OpenMP pool beside the engine's, and every decode step would pay the futex
+        # wake-ups `serial_setup` describes (83 ms per served token instead of 66, Qwen3.5-0.8B shape).
+        with serial_setup():
+            self._cost = CacheCost.of(model)
         if max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {max_queue}")
         self.model = model
@@ -393,10 +398,15 @@ class Engine:
         return sequences <= self.max_running and self._reserved + self._bytes_for(request) <= self.max_memory
 
     def _bytes_for(self, request: Request) -> int:
-        """Bytes of state and KV the request's n sequences may hold (prompt + max_tokens each)."""
+        """Bytes of state and KV the request's n sequences may hold (prompt + max_tokens each; the
+        prompt's KV rows that forks share counted once)."""
+        tokens = self._tokens_for(request)
+        forks = self._cost.fork_bytes(len(request.prompt_ids), tokens) * (request.params.n - 1)
+        return self._cost.bytes(tokens) + forks
+
+    def _tokens_for(self, request: Request) -> int:
         room = self.context_length - len(request.prompt_ids)
-        tokens = len(request.prompt_ids) + min(request.params.max_tokens or room, room)
-        return self._cost.bytes(tokens) * request.params.n
+        return len(request.prompt_ids) + min(request.params.max_tokens or room, room)
 
     def _start(self, request: Request) -> _Running:
         running = self._sequence(request, 0)
@@ -440,12 +450,17 @@ class Engine:
 
     def _fork(self, parent: _Running) -> None:
         """Start the other choices of `parent`'s request, its prefill having just ended: each continues
-        from a copy of the prompt's state (`fork_caches`) with the prompt's logits and takes its share
-        of the admission's reservation; they join the running set at the end of this step."""
+        from the prompt's state (`fork_caches`: KV rows shared copy-on-write; with a prefix cache in a
+        session of its own, `PrefixCache.fork`) with the prompt's logits and takes its part of the
+        admission's reservation; they join the running set at the end of this step."""
         forks = []
         for index in range(1, parent.forks + 1):
             fork = self._sequence(parent.request, index)
-            fork.caches = fork_caches(parent.caches, self.model.make_caches(1))
+            if parent.session is not None:  # its continuation goes to the trie too
+                fork.session = self.prefix.fork(parent.session)
+                fork.caches = fork.session.caches
+            else:
+                fork.caches = fork_caches(parent.caches, self.model.make_caches(1))
             fork.forked = True
             fork.started, fork.prefill_done = parent.started, parent.prefill_done
             fork.prefill_pos = fork.position = parent.position
@@ -453,10 +468,11 @@ class Engine:
             if fork.speculation is not None:  # its drafter starts from the prompt's tokens alone
                 fork.speculation.attach(fork.caches)
             forks.append(fork)
-        share = parent.reserved // (parent.forks + 1)
+        own = self._cost.fork_bytes(len(parent.request.prompt_ids), self._tokens_for(parent.request))
         for fork in forks:
-            fork.reserved = share
-            parent.reserved -= share
+            fork.reserved = own
+            parent.reserved -= own
+        parent.shared_reserved = parent.reserved - own
         parent.forks = 0
         self._forked.extend(forks)
 
@@ -565,6 +581,7 @@ class Engine:
                 with self._wake:
                     self._running.remove(running)
                     self._reserved -= running.reserved
+                    self._hand_down_shared(running)
                 running.caches = []  # release the cache memory now, not when the handle dies
                 if running.speculation is not None:
                     running.speculation.close()
@@ -574,6 +591,17 @@ class Engine:
                     self._deliver_rest(running.request, event)
                     continue
             self._deliver(running.request, event)
+
+    def _hand_down_shared(self, running: _Running) -> None:
+        """The KV rows a finished choice shared with its forks live on while one of them runs: its
+        reservation of them passes to a running choice of the same request."""
+        if not running.shared_reserved:
+            return
+        heir = next((r for r in (*self._running, *self._forked) if r.request is running.request), None)
+        if heir is not None:
+            heir.reserved += running.shared_reserved
+            heir.shared_reserved += running.shared_reserved
+            self._reserved += running.shared_reserved
 
     @staticmethod
     def _end_session(session: Session, reason: str | None) -> None:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from hybridlm.models.base import CausalLM
+from hybridlm.ops.attention import KEY_BLOCK
 
 
 def available_memory() -> int:
@@ -50,4 +51,12 @@ class CacheCost:
     def bytes(self, tokens: int) -> int:
         """Bytes of a sequence holding `tokens` tokens."""
         held = [tokens if w is None else min(tokens, w + 256) for w in self.windows]
+        return self.fixed + self.row * sum(held)
+
+    def fork_bytes(self, prompt: int, tokens: int) -> int:
+        """Bytes of a fork taken after a `prompt`-token prefill, holding `tokens` tokens: its KV rows
+        before the prompt rounded down to the key block are shared (`KVCache.share`, counted once, by
+        the sequence it forked from), the rest are its own."""
+        own = tokens - prompt // KEY_BLOCK * KEY_BLOCK
+        held = [own if w is None else min(own, w + 256) for w in self.windows]
         return self.fixed + self.row * sum(held)

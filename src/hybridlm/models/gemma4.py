@@ -238,7 +238,14 @@ class Gemma4Attention(nn.Module):
     def attend(self, batch: Batch, hist: AttentionHistory, q: torch.Tensor) -> torch.Tensor:
         """q [B, H, L, D] over the keys / values of `hist` -> [B, H, L, D]."""
         return attention(
-            q, hist.keys, hist.values, batch, key_start=hist.key_start, scale=1.0, window=self.window
+            q,
+            hist.keys,
+            hist.values,
+            batch,
+            key_start=hist.key_start,
+            scale=1.0,
+            window=self.window,
+            prefix=hist.prefix,
         )
 
     def visible(self, hist: AttentionHistory, batch: Batch) -> AttentionHistory:
@@ -246,12 +253,7 @@ class Gemma4Attention(nn.Module):
         assistant), so the attention keeps its no-mask decode path."""
         if self.window is None:
             return hist
-        cut = min(batch.offsets) - self.window + 1 - hist.key_start
-        if cut <= 0:
-            return hist
-        return AttentionHistory(
-            hist.keys[:, :, cut:], hist.values[:, :, cut:], hist.key_start + cut, self.window
-        )
+        return hist.after(min(batch.offsets) - self.window + 1)
 
 
 class Router(nn.Module):

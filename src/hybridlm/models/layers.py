@@ -123,6 +123,7 @@ class Attention(nn.Module):
             scale=self.scale,
             window=hist.window,
             softcap=self.softcap,
+            prefix=hist.prefix,
         )
 
 

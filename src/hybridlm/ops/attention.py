@@ -9,6 +9,10 @@ depends only on the keys it sees: it reads only those, in blocks aligned to abso
 with an online softmax. SDPA's result for a query row also depends on how many rows share the
 call (in bf16 ~20% of rows differed between a 9-row masked call and one-row calls), so a verify
 pass would not compute what decoding computes, and speculative greedy output would drift.
+
+Keys / values may come in two pieces, a read-only `prefix` shared between sequences (copy-on-write,
+`cache/kv.py`) then the sequence's own rows: the kernel walks both as one buffer (same keys, same
+order, same bits); every other path attends over their concatenation.
 """
 
 from __future__ import annotations
@@ -27,23 +31,25 @@ KERNEL = NativeKernel(
     "attention",
     "attention.c",
     "hybridlm_attention",
-    [ctypes.c_void_p] * 5 + [_i64] * 18 + [ctypes.c_float, ctypes.c_float, ctypes.c_int, ctypes.c_int],
+    [ctypes.c_void_p] * 7 + [_i64] * 25 + [ctypes.c_float, ctypes.c_float, ctypes.c_int, ctypes.c_int],
     ctypes.c_int,
     fallback="scaled_dot_product_attention",
 )
 KERNEL_MAX_QUERIES = FEW_TOKENS
+# Keys per block of the kernel (csrc/attention.c `KB`); blocks are aligned to absolute positions.
+KEY_BLOCK = 64
 
 
-def _kernel_attention(q, k, v, batch, key_start, scale, window, softcap) -> torch.Tensor | None:
+def _kernel_attention(q, k, v, batch, key_start, scale, window, softcap, prefix) -> torch.Tensor | None:
     """`attention` by the C kernel, or None where it does not apply."""
     B, Hq, L, D = q.shape
+    pk, pv = prefix if prefix is not None else (k, v)
     if not (
         L <= KERNEL_MAX_QUERIES
         and q.is_cpu
         and q.dtype in (torch.bfloat16, torch.float32)
-        and k.dtype is q.dtype
-        and v.dtype is q.dtype
-        and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
+        and k.dtype is v.dtype is pk.dtype is pv.dtype is q.dtype
+        and q.stride(-1) == k.stride(-1) == v.stride(-1) == pk.stride(-1) == pv.stride(-1) == 1
         and not torch.compiler.is_compiling()
         and not (torch.is_grad_enabled() and q.requires_grad)
     ):
@@ -51,11 +57,13 @@ def _kernel_attention(q, k, v, batch, key_start, scale, window, softcap) -> torc
     fn = KERNEL.get()
     if fn is None:
         return None
-    Hkv, T, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    P = 0 if prefix is None else pk.shape[2]
+    Hkv, T, Dv = k.shape[1], P + k.shape[2], v.shape[-1]
     out = torch.empty(B, Hq, L, Dv, dtype=q.dtype)
     qpos = batch.positions().to(torch.int64).contiguous()
-    fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), qpos.data_ptr(), B, Hq, Hkv, L,
-                T, D, Dv, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], key_start, window or 0,
+    fn(q.data_ptr(), pk.data_ptr(), pv.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
+                qpos.data_ptr(), B, Hq, Hkv, L, T, P, D, Dv, *q.stride()[:3], *pk.stride()[:3],
+                *pv.stride()[:3], *k.stride()[:3], *v.stride()[:3], key_start, window or 0,
                 scale, softcap or 0.0, int(q.dtype is torch.bfloat16), torch.get_num_threads())
     return out
 
@@ -92,17 +100,22 @@ def attention(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Causal (optionally windowed) GQA attention.
 
     q: [B, Hq, L, D] at positions `batch.positions()`; k, v: [B, Hkv, T, D] holding absolute
-    positions [key_start, key_start + T). Returns [B, Hq, L, Dv] in q's dtype. Padded query rows
-    produce finite values that callers discard; padded keys are never visible to real queries
-    because they lie after every real query of their row.
+    positions [key_start, key_start + T), or, with `prefix` = (keys, values) [B, Hkv, P, D],
+    positions [key_start + P, key_start + P + T) after the prefix's [key_start, key_start + P).
+    Returns [B, Hq, L, Dv] in q's dtype. Padded query rows produce finite values that callers
+    discard; padded keys are never visible to real queries because they lie after every real query
+    of their row.
     """
-    out = _kernel_attention(q, k, v, batch, key_start, scale, window, softcap)
+    out = _kernel_attention(q, k, v, batch, key_start, scale, window, softcap, prefix)
     if out is not None:
         return out
+    if prefix is not None:  # SDPA and the soft-cap path read one buffer: a transient concatenation
+        k, v = torch.cat([prefix[0], k], dim=2), torch.cat([prefix[1], v], dim=2)
     mask = _mask(batch, key_start, k.shape[2], window)
     if softcap is None:
         gqa = q.shape[1] != k.shape[1]

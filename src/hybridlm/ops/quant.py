@@ -208,13 +208,15 @@ class QuantLinear(nn.Module):
     def _kernel_applies(self, x: torch.Tensor) -> bool:
         """bf16 CPU input of 1..FEW_TOKENS rows, CPU weights, not traced by torch.compile.
 
-        Runs on every call of every layer in decode: cheapest checks first."""
+        Runs on every call of every layer in decode: cheapest checks first, buffers read from
+        ``_buffers`` (``nn.Module.__getattr__`` costs about a microsecond a name)."""
+        bias = self._parameters.get("bias")
         return (
             x.dtype is torch.bfloat16
             and x.is_cpu
             and 0 < x.numel() <= FEW_TOKENS * self.in_features
-            and self.qweight.is_cpu
-            and (self.bias is None or self.bias.dtype is torch.bfloat16)
+            and self._buffers["qweight"].is_cpu
+            and (bias is None or bias.dtype is torch.bfloat16)
             and not torch.compiler.is_compiling()
         )
 
@@ -234,14 +236,16 @@ class QuantLinear(nn.Module):
             return self._forward_dequantized(x)
         if not x.is_contiguous():
             x = x.contiguous()
-        y = torch.empty((*x.shape[:-1], self.out_features), dtype=torch.bfloat16)
-        bias = None if self.bias is None else self.bias.data_ptr()
-        rows, n, k = x.numel() // self.in_features, self.out_features, self.in_features
-        q, s, threads = self.qweight.data_ptr(), self.scales.data_ptr(), torch.get_num_threads()
+        n, k = self.out_features, self.in_features
+        y = x.new_empty((*x.shape[:-1], n))
+        bias = self._parameters.get("bias")
+        bias = None if bias is None else bias.data_ptr()
+        q, scales = self._buffers["qweight"].data_ptr(), self._buffers["scales"]
+        rows, s, threads = x.numel() // k, scales.data_ptr(), torch.get_num_threads()
         if self.bits == 8:
             fn(x.data_ptr(), rows, q, s, bias, y.data_ptr(), n, k, threads)
         else:
-            fp16 = int(self.scales.dtype is torch.float16)
+            fp16 = int(scales.dtype is torch.float16)
             fn(x.data_ptr(), rows, q, s, fp16, bias, y.data_ptr(), n, k, self.group_size, threads)
         return y
 

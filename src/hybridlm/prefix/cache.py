@@ -40,7 +40,8 @@ import torch
 
 from hybridlm.batch import Batch
 from hybridlm.cache.base import LayerCache, Snapshot, tensor_bytes
-from hybridlm.cache.kv import KVCache, RowsSnapshot
+from hybridlm.cache.fork import fork_caches
+from hybridlm.cache.kv import KVCache, RowsSnapshot, held_bytes
 from hybridlm.cache.recurrent import ScanCache, ScanSnapshot
 from hybridlm.prefix.disk import CorruptFile, DiskTier, StoredNode, StoredSnapshot, monotonic_of, wall_clock
 from hybridlm.prefix.store import StoreTier, import_longer, publish_path
@@ -348,11 +349,11 @@ class PrefixCache:
     @property
     def pinned_bytes(self) -> int:
         """Bytes the running requests hold outside the RAM budget: every slot's live caches, working
-        restore points and hidden log (and the draft companion's)."""
+        restore points and hidden log (and the draft companion's); KV rows slots share (forks of one
+        prompt, copy-on-write) are counted once."""
         with self.lock:
-            own = 0
+            own = held_bytes([c for slot in self.slots for c in slot.caches])
             for slot in self.slots:
-                own += sum(c.nbytes for c in slot.caches if c is not None)
                 own += sum(_snap_bytes(s) for s in self._session_captures(slot)[1])
                 if slot.session is not None and slot.session.hidden_log:
                     own += tensor_bytes(*slot.session.hidden_log)
@@ -506,6 +507,27 @@ class PrefixCache:
         # Nodes loaded from disk (and rows copied out of the live buffers) may have grown RAM.
         self.enforce_budget()
         return session
+
+    def fork(self, session: Session) -> Session:
+        """A session for another choice of `session`'s request (n > 1), whose prefill has just
+        ended: a slot of its own brought to the same state (`fork_caches`: KV rows shared copy-on-
+        write, recurrent state copied). The prompt's restore points go to the trie first, so every
+        choice's continuation attaches below the prompt's node when its session closes."""
+        with self.lock:
+            self._store_captures(session)
+            slot = self._current = self._slot_for(session.fed)
+            fork_caches(session.caches, slot.caches)
+            slot.live = list(session.fed)
+            end = len(session.fed)
+            fork = Session(self, slot, list(session.prompt), end, 0, 0.0, list(session.fed), stored=end)
+            slot.session = fork
+            self._begun += 1
+            slot.opened = self._begun
+            for i in self.layers:
+                slot.caches[i].prepare_snapshots([], ranges=True)
+                slot.caches[i].lean = False
+            self.enforce_budget()  # rows copied out of the slot's buffers count now
+            return fork
 
     def _restore_best(self, slot: Slot, keep: list[int], common: int) -> tuple[list[Node], int, int, int]:
         """Restore every layer to the largest reachable target ≤ max(matched, common), where the

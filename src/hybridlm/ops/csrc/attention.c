@@ -46,15 +46,21 @@ static inline void axpy(float* y, float a, const void* x, int64_t D, int bf16) {
     for (; i < D; i++) y[i] += a * load(x, i, bf16);
 }
 
-/* q [B, Hq, L, D], k [B, Hkv, T, D], v [B, Hkv, T, Dv] (strides in elements, last dim contiguous),
-   out [B, Hq, L, Dv] contiguous; qpos [B, L] absolute query positions; key row j holds position
-   key_start + j. A query at p sees keys at positions in [p - window + 1, p] (window 0: [0, p]).
-   Returns 0, or -1 when out of memory. */
-int hybridlm_attention(const void* q, const void* k, const void* v, void* out, const int64_t* qpos,
-                       int64_t B, int64_t Hq, int64_t Hkv, int64_t L, int64_t T, int64_t D, int64_t Dv,
-                       int64_t q_sb, int64_t q_sh, int64_t q_sl, int64_t k_sb, int64_t k_sh,
-                       int64_t k_st, int64_t v_sb, int64_t v_sh, int64_t v_st, int64_t key_start,
-                       int64_t window, float scale, float softcap, int is_bf16, int nthreads) {
+/* q [B, Hq, L, D]; the keys / values are two buffers read as one: pk [B, Hkv, P, D], pv [B, Hkv, P, Dv]
+   (a read-only shared prefix; P may be 0) then k [B, Hkv, T - P, D], v [B, Hkv, T - P, Dv] (strides
+   in elements, last dim contiguous); out [B, Hq, L, Dv] contiguous; qpos [B, L] absolute query
+   positions; key row j (0 <= j < T, counted across both buffers) holds position key_start + j. A query
+   at p sees keys at positions in [p - window + 1, p] (window 0: [0, p]). Only a key's address depends
+   on which buffer holds it, never the arithmetic or its order: the result is the same bits wherever
+   the buffers are split. Returns 0, or -1 when out of memory. */
+int hybridlm_attention(const void* q, const void* pk, const void* pv, const void* k, const void* v,
+                       void* out, const int64_t* qpos,
+                       int64_t B, int64_t Hq, int64_t Hkv, int64_t L, int64_t T, int64_t P, int64_t D,
+                       int64_t Dv, int64_t q_sb, int64_t q_sh, int64_t q_sl, int64_t pk_sb, int64_t pk_sh,
+                       int64_t pk_st, int64_t pv_sb, int64_t pv_sh, int64_t pv_st, int64_t k_sb,
+                       int64_t k_sh, int64_t k_st, int64_t v_sb, int64_t v_sh, int64_t v_st,
+                       int64_t key_start, int64_t window, float scale, float softcap, int is_bf16,
+                       int nthreads) {
     const int64_t rep = Hq / Hkv, R = rep * L;
     const size_t es = is_bf16 ? 2 : 4;
     int failed = 0;
@@ -94,7 +100,9 @@ int hybridlm_attention(const void* q, const void* k, const void* v, void* out, c
                 if (a > z) continue;
                 float bm = -INFINITY;
                 for (int64_t j = a; j <= z; j++) {
-                    const char* kj = (const char*)k + (b * k_sb + g * k_sh + (j - key_start) * k_st) * es;
+                    const int64_t jj = j - key_start;
+                    const char* kj = jj < P ? (const char*)pk + (b * pk_sb + g * pk_sh + jj * pk_st) * es
+                                            : (const char*)k + (b * k_sb + g * k_sh + (jj - P) * k_st) * es;
                     float s = dot(qf + r * D, kj, D, is_bf16) * scale;
                     if (softcap > 0.f) s = tanhf(s / softcap) * softcap;
                     sc[j - a] = s;
@@ -108,7 +116,9 @@ int hybridlm_attention(const void* q, const void* k, const void* v, void* out, c
                 for (int64_t j = a; j <= z; j++) {
                     const float e = expf(sc[j - a] - mn);
                     l[r] += e;
-                    const char* vj = (const char*)v + (b * v_sb + g * v_sh + (j - key_start) * v_st) * es;
+                    const int64_t jj = j - key_start;
+                    const char* vj = jj < P ? (const char*)pv + (b * pv_sb + g * pv_sh + jj * pv_st) * es
+                                            : (const char*)v + (b * v_sb + g * v_sh + (jj - P) * v_st) * es;
                     axpy(ar, e, vj, Dv, is_bf16);
                 }
                 m[r] = mn;

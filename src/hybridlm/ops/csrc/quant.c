@@ -3,7 +3,9 @@
 
    int8: q [N, K] int8, one float32 scale per output row (symmetric, q in [-127, 127]). Weight rows
    are processed in blocks of RB rows against up to MC8 input rows at a time (each weight byte is
-   read from memory once for every input row), widened to float32 16 at a time.
+   read from memory once for every input row), widened to float32 16 at a time; a one-row input
+   takes blocks of RB1 rows (more rows streaming at once: +20% out of cache on one core, where the
+   conversion keeps up with memory either way).
 
    int4: q [N, K / 2] bytes in panels of 16 weight rows (the last panel holds the N % 16 rows left,
    if any): panel p is rows 16p .. 16p + 15 of the array, read as 32-bit words (b, n) for k-block
@@ -21,7 +23,8 @@
 #include "bf16.h"
 #include <stdlib.h>
 
-#define RB 4
+#define RB 4  /* int8: weight rows per block against several input rows */
+#define RB1 8 /* ... and against one: more independent rows streaming at once */
 #define PREFETCH_BYTES 16384
 #define MIN_PARALLEL_BYTES 65536 /* below this a second thread costs more to wake than it saves */
 
@@ -43,12 +46,12 @@ static inline float scale_f32(uint16_t v, int fp16) {
 
 /* int8: weights widened to float32 16 at a time and multiplied with x in float32. */
 static inline __attribute__((always_inline)) void tile_i8(const float* xf, int64_t K, int mc, const int8_t* w,
-                                                          int rb, float out[RB][MC8]) {
-    __m512 acc[RB][MC8];
+                                                          int rb, float out[RB1][MC8]) {
+    __m512 acc[RB1][MC8];
     for (int r = 0; r < rb; r++) for (int c = 0; c < mc; c++) acc[r][c] = _mm512_setzero_ps();
     int64_t k = 0;
     for (; k + 32 <= K; k += 32) {
-        __m512 w0[RB], w1[RB];
+        __m512 w0[RB1], w1[RB1];
         for (int r = 0; r < rb; r++) {
             __builtin_prefetch((const char*)(w + r * K + k) + PREFETCH_BYTES, 0, 1);
             w0[r] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(w + r * K + k))));
@@ -125,7 +128,7 @@ static inline __attribute__((always_inline)) void tile_i4(const float* xf, int64
 #define MP4 2
 #define MC4 4
 /* Portable tiles: one output at a time, the same order for any rows beside it. */
-static void tile_i8(const float* xf, int64_t K, int mc, const int8_t* w, int rb, float out[RB][MC8]) {
+static void tile_i8(const float* xf, int64_t K, int mc, const int8_t* w, int rb, float out[RB1][MC8]) {
     for (int r = 0; r < rb; r++) for (int c = 0; c < mc; c++) {
         float s = 0.f;
         for (int64_t k = 0; k < K; k++) s += (float)w[r * K + k] * xf[c * K + k];
@@ -157,19 +160,21 @@ int hybridlm_linear_int8(const uint16_t* x, int64_t M, const int8_t* q, const fl
     float* xf = malloc((size_t)(M * K) * sizeof(float));
     if (!xf) return -1;
     for (int64_t i = 0; i < M * K; i++) xf[i] = bf16_to_f32(x[i]);
-    const int64_t nblocks = (N + RB - 1) / RB;
+    const int block = M == 1 ? RB1 : RB;
+    const int64_t nblocks = (N + block - 1) / block;
     #pragma omp parallel for schedule(static) num_threads(nthreads) if (N * K >= MIN_PARALLEL_BYTES)
     for (int64_t b = 0; b < nblocks; b++) {
-        const int64_t n0 = b * RB;
-        const int rb = N - n0 < RB ? (int)(N - n0) : RB;
+        const int64_t n0 = b * block;
+        const int rb = N - n0 < block ? (int)(N - n0) : block;
         for (int64_t m0 = 0; m0 < M; m0 += MC8) {
             const int mc = M - m0 < MC8 ? (int)(M - m0) : MC8;
-            float out[RB][MC8];
+            float out[RB1][MC8];
             /* constant (rb, mc) per call site, so the tile's loops unroll into registers */
-#define TILE8(cols) tile_i8(xf + m0 * K, K, cols, q + n0 * K, RB, out)
-            if (rb == RB) {
-                switch (mc) { case 1: TILE8(1); break; case 2: TILE8(2); break; case 3: TILE8(3); break;
-                              default: TILE8(MC8); }
+#define TILE8(rows, cols) tile_i8(xf + m0 * K, K, cols, q + n0 * K, rows, out)
+            if (rb == RB1 && mc == 1) TILE8(RB1, 1);
+            else if (rb == RB) {
+                switch (mc) { case 1: TILE8(RB, 1); break; case 2: TILE8(RB, 2); break; case 3: TILE8(RB, 3); break;
+                              default: TILE8(RB, MC8); }
             } else {
                 tile_i8(xf + m0 * K, K, mc, q + n0 * K, rb, out);
             }
