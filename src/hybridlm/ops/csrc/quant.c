@@ -18,8 +18,9 @@
    reduction, and a 64-byte load is 8 weights of each of 16 rows.
 
    The sum of one output is computed by the same instructions in the same order whatever rows share
-   the call, so a row's result never depends on the rows beside it. Prefill-sized inputs instead
-   dequantize the weight to bf16 (hybridlm_dequant_*) and use the bf16 GEMM. */
+   the call, so a row's result never depends on the rows beside it. Prefill-sized inputs take the
+   integer path of quant_prefill.c where the CPU has VNNI; elsewhere they dequantize the weight to
+   bf16 (hybridlm_dequant_*) and use the bf16 GEMM. */
 #include "bf16.h"
 #include <stdlib.h>
 
