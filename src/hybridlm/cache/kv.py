@@ -231,15 +231,9 @@ class KVCache(LayerCache):
         k, v = self.rows(first, split)
         shared = SharedRows(first, k, v)
         tail_k, tail_v = self.rows(split, min(keep_hi, self.start_pos + self.capacity))
-        tail_k, tail_v = tail_k.clone(), tail_v.clone()
         self._release_shared()
-        self.k = self.v = None
-        self.start_pos = split
         self._attach_shared(shared)
-        if tail_k.shape[2]:
-            self._ensure(split + tail_k.shape[2], tail_k, tail_v)
-            self.k[:, :, : tail_k.shape[2]] = tail_k
-            self.v[:, :, : tail_v.shape[2]] = tail_v
+        self._own_rows(split, tail_k.clone(), tail_v.clone())
         return shared
 
     def attach(self, shared: SharedRows, source: KVCache) -> None:
@@ -247,14 +241,9 @@ class KVCache(LayerCache):
         source's own rows up to its offset; this cache's previous state is dropped."""
         self.free()
         self._attach_shared(shared)
-        self.start_pos = shared.end
         self.valid_from = source.valid_from
         end = source.offset
-        if end > shared.end:
-            k, v = source.rows(shared.end, end)
-            self._ensure(end, k, v)
-            self.k[:, :, : end - shared.end] = k
-            self.v[:, :, : end - shared.end] = v
+        self._own_rows(shared.end, *source.rows(shared.end, end))
         self.offsets = [end] * self.batch_size
         self._clear_schedule_after_restore()
 
@@ -275,11 +264,18 @@ class KVCache(LayerCache):
         k, v = self.rows(lo, hi)
         k, v = k.clone(), v.clone()
         self._release_shared()
+        self._own_rows(lo, k, v)
+
+    def _own_rows(self, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Replace the own buffer by one holding `k`, `v` [B, H, n, D] as the rows of positions
+        [start, start + n) (no buffer when n = 0). `k`, `v` must not view the old buffer."""
         self.k = self.v = None
-        self.start_pos = lo
-        self._ensure(hi, k, v)
-        self.k[:, :, : hi - lo] = k
-        self.v[:, :, : hi - lo] = v
+        self.start_pos = start
+        n = k.shape[2]
+        if n:
+            self._ensure(start + n, k, v)
+            self.k[:, :, :n] = k
+            self.v[:, :, :n] = v
 
     def _copy_out_lazy(self, lo: int, hi: int) -> None:
         """Lazy snapshots whose rows intersect [lo, hi) copy out before those rows change."""

@@ -57,6 +57,4 @@ class CacheCost:
         """Bytes of a fork taken after a `prompt`-token prefill, holding `tokens` tokens: its KV rows
         before the prompt rounded down to the key block are shared (`KVCache.share`, counted once, by
         the sequence it forked from), the rest are its own."""
-        own = tokens - prompt // KEY_BLOCK * KEY_BLOCK
-        held = [own if w is None else min(own, w + 256) for w in self.windows]
-        return self.fixed + self.row * sum(held)
+        return self.bytes(tokens - prompt // KEY_BLOCK * KEY_BLOCK)
