@@ -27,7 +27,7 @@ from hybridlm.batch import Batch
 from hybridlm.bench.forward import preset_dir
 from hybridlm.models import load_model
 from hybridlm.models.base import forward_packed
-from hybridlm.models.random import write_random_checkpoint
+from hybridlm.models.random import cached_random_checkpoint
 
 # Qwen3-Next's published structure (3 Gated DeltaNet layers per gated attention layer, routed
 # experts with a sigmoid-gated shared expert on every layer), at 1/2 width and 1/6 depth, 64 experts.
@@ -98,13 +98,7 @@ def checkpoint(family: str) -> Path:
     if isinstance(SHAPES[family], str):
         return preset_dir(SHAPES[family])
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hybridlm" / "packing"
-    out = base / family
-    if not (out / "config.json").exists():
-        print(f"writing a random {family} checkpoint to {out} ...", flush=True)
-        tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-        write_random_checkpoint(SHAPES[family], tmp)
-        tmp.rename(out)
-    return out
+    return cached_random_checkpoint(SHAPES[family], base / family, family)
 
 
 def median_ms(step, steps: int) -> tuple[float, float]:

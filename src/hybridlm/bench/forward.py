@@ -24,16 +24,10 @@ log = logging.getLogger(__name__)
 
 def preset_dir(preset: str) -> Path:
     """A random checkpoint of a published shape, written once under the user cache directory."""
-    from hybridlm.models.random import PRESETS, write_random_checkpoint
+    from hybridlm.models.random import PRESETS, cached_random_checkpoint
 
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hybridlm"
-    out = base / "presets" / preset
-    if not (out / "config.json").exists():
-        print(f"writing random {preset} checkpoint to {out} ...", flush=True)
-        tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-        write_random_checkpoint(PRESETS[preset], tmp)
-        tmp.rename(out)
-    return out
+    return cached_random_checkpoint(PRESETS[preset], base / "presets" / preset, preset)
 
 
 def weight_bytes_per_token(model) -> int:

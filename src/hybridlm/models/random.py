@@ -7,6 +7,7 @@ exactly like a downloaded model.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -113,4 +114,15 @@ def write_random_checkpoint(config: dict, out: str | Path, seed: int = 0) -> Pat
     state = random_state(config, seed)
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+def cached_random_checkpoint(config: dict, out: Path, name: str) -> Path:
+    """`out`, holding a random checkpoint of `config` written on first use (into a temporary
+    directory renamed into place, so a concurrent or interrupted writer never leaves half of one)."""
+    if not (out / "config.json").exists():
+        print(f"writing a random {name} checkpoint to {out} ...", flush=True)
+        tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+        write_random_checkpoint(config, tmp)
+        tmp.rename(out)
     return out
