@@ -44,8 +44,8 @@ STEPS = [
 # A step with segments longer than FEW_TOKENS (prefill-chunk sized) beside decode rows: they run their
 # mixers one by one while the decode rows share the packed kernels (`layers.per_segment`).
 MIXED_STEP = [(1, 1, "last"), (0, 30, "last"), (3, 1, "last"), (2, 18, "all")]
-# The families whose mixers are the shared layers' (`Attention`, `GatedDeltaNet`) with packed kernels.
-PACKED_MIXERS = ["qwen3_5_text", "qwen3_next", "gemma3_text", "dense_llama"]
+# The families whose mixers have packed kernels (`Attention`, `GatedDeltaNet`, LFM2's `ShortConv`).
+PACKED_MIXERS = ["qwen3_5_text", "qwen3_next", "lfm2", "gemma3_text", "dense_llama"]
 
 
 def tokens(rng: random.Random, n: int) -> list[int]:
