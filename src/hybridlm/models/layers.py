@@ -81,6 +81,8 @@ class Attention(nn.Module):
     """Multi-head GQA attention with optional per-head q/k norm, output gate (Qwen3.5: q_proj
     yields query and gate), partial rotary, sliding window and logit soft-capping."""
 
+    FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj")}  # see models.fused
+
     def __init__(
         self,
         hidden: int,
@@ -106,6 +108,7 @@ class Attention(nn.Module):
         self.k_proj = Linear(hidden, kv_heads * head_dim, bias=bias)
         self.v_proj = Linear(hidden, kv_heads * head_dim, bias=bias)
         self.o_proj = Linear(heads * head_dim, hidden, bias=bias)
+        self.qkv_proj = None
         if qk_norm is not None:
             self.q_norm = qk_norm(head_dim, eps=eps)
             self.k_norm = qk_norm(head_dim, eps=eps)
@@ -117,15 +120,18 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: Batch, cache: KVCache) -> torch.Tensor:
         b, length, _ = x.shape
-        q = self.q_proj(x)
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(x)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         gate = None
         if self.gated:
             q, gate = q.view(b, length, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
             gate = gate.reshape(b, length, -1)
         else:
             q = q.view(b, length, self.heads, self.head_dim)
-        k = self.k_proj(x).view(b, length, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, length, self.kv_heads, self.head_dim)
+        k = k.view(b, length, self.kv_heads, self.head_dim)
+        v = v.view(b, length, self.kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -178,15 +184,22 @@ class Attention(nn.Module):
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x))."""
 
+    FUSED = {"gate_up": ("gate_proj", "up_proj")}  # see models.fused
+
     def __init__(self, hidden: int, intermediate: int, act: str = "silu", bias: bool = False):
         super().__init__()
         self.gate_proj = Linear(hidden, intermediate, bias=bias)
         self.up_proj = Linear(hidden, intermediate, bias=bias)
         self.down_proj = Linear(intermediate, hidden, bias=bias)
+        self.gate_up = None
         self.act = ACTIVATIONS[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(elementwise_rows(self.act, self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up is not None:
+            gate, up = self.gate_up(x)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(elementwise_rows(self.act, gate) * up)
 
 
 class GatedDeltaNet(nn.Module):
@@ -195,6 +208,8 @@ class GatedDeltaNet(nn.Module):
     Scan inputs (what `RecurrentCache` logs for replay): the pre-conv projection [B, L, conv_dim]
     and the raw gate projections a‖b [B, L, 2·Hv]; everything after them is `mix`.
     """
+
+    FUSED = {"in_proj": ("in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b")}  # see models.fused
 
     def __init__(self, hidden, k_heads, v_heads, k_dim, v_dim, conv_kernel, eps=1e-6):
         super().__init__()
@@ -206,6 +221,7 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_z = Linear(hidden, self.value_dim, bias=False)
         self.in_proj_b = Linear(hidden, v_heads, bias=False)
         self.in_proj_a = Linear(hidden, v_heads, bias=False)
+        self.in_proj = None
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, conv_kernel, groups=self.conv_dim, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(v_heads))
         self.A_log = nn.Parameter(torch.zeros(v_heads))
@@ -257,11 +273,14 @@ class GatedDeltaNet(nn.Module):
         mask = batch.token_mask()
         if mask is not None:
             x = x * mask[..., None].to(x.dtype)
-        qkv = self.in_proj_qkv(x)
-        ab = torch.cat([self.in_proj_a(x), self.in_proj_b(x)], dim=-1)
+        if self.in_proj is not None:
+            qkv, z, a, b_ = self.in_proj(x)
+        else:
+            qkv, z, a, b_ = self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_a(x), self.in_proj_b(x)
+        ab = torch.cat([a, b_], dim=-1)
         packed = partial(self.scan_packed, batch, cache)
         o = per_segment(batch, cache, self.scan, qkv, ab, packed=packed)
-        z = self.in_proj_z(x).view(b, length, self.v_heads, self.v_dim)
+        z = z.view(b, length, self.v_heads, self.v_dim)
         o = self.norm(o.to(x.dtype), z)
         return self.out_proj(o.reshape(b, length, self.value_dim))
 
