@@ -4,6 +4,7 @@ each segment's logits bit for bit those of that segment's own forward alone."""
 from __future__ import annotations
 
 import random
+import types
 from contextlib import nullcontext
 
 import pytest
@@ -12,6 +13,9 @@ import torch
 from hybridlm.batch import Batch
 from hybridlm.models import load_model
 from hybridlm.models.base import forward_packed
+from hybridlm.ops import attention as attention_mod
+from hybridlm.ops import conv as conv_mod
+from hybridlm.ops import gated_delta as gated_delta_mod
 from hybridlm.ops.linear import rowwise
 from hybridlm.ops.native import FEW_TOKENS
 
@@ -72,6 +76,17 @@ def test_long_segments_beside_decode_rows_equal_their_own_forwards_bitwise(check
     bit; the long ones alone run under `rowwise()`, as packed rows do (the engine never packs a
     prefill chunk: it runs alone)."""
     check_steps(checkpoints, name, torch.bfloat16, [MIXED_STEP, STEPS[-1]])
+
+
+@pytest.mark.parametrize("name", ["qwen3_5_text", "lfm2"])
+def test_without_packed_kernels_the_segments_run_one_by_one_bitwise(checkpoints, name, monkeypatch):
+    """Where a packed kernel does not apply (here: none built), the decode / verify segments the layer
+    already took from their caches run one by one from those histories, with the same bits."""
+    unbuilt = types.SimpleNamespace(get=lambda: None)
+    monkeypatch.setattr(attention_mod, "PACKED_KERNEL", unbuilt)
+    monkeypatch.setattr(conv_mod, "CONV_PACKED_KERNEL", unbuilt)
+    monkeypatch.setattr(gated_delta_mod, "GDN_PACKED_KERNEL", unbuilt)
+    check_steps(checkpoints, name, torch.bfloat16, STEPS)
 
 
 def check_steps(checkpoints, name, dtype, steps):

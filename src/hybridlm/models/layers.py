@@ -53,9 +53,10 @@ def per_segment(batch: Batch, cache, run, *rows: torch.Tensor, dim: int = 1, pac
         return run(batch, cache, *rows)
     few = few_segments(batch) if packed is not None else []
     out = packed(few, *rows) if few else None
+    taken = set(few)
     outs = []
     for i, (seg, c, (lo, hi)) in enumerate(zip(batch.segments, cache, batch.bounds, strict=True)):
-        if out is not None and i in few:
+        if i in taken:
             continue
         y = run(seg, c, *(r.narrow(dim, lo, hi - lo) for r in rows))
         if out is None:
