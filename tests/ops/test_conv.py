@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from hybridlm.ops import conv as conv_mod
 from hybridlm.ops.conv import causal_conv1d
+from tests.ops.packed import packed_layout
 
 
 def make_inputs(B, L, C, K, *, dtype=torch.float32, bias=True, seed=0):
@@ -222,12 +223,7 @@ def test_property_packed_conv_equals_each_sequence_alone_bitwise(lens, K, dtype,
     between them) convolved in one packed call: each sequence's outputs, tail and boundary tails
     equal, bit for bit, those of its own `causal_conv1d` call."""
     C = 40
-    gaps = data.draw(st.lists(st.integers(0, 2), min_size=len(lens), max_size=len(lens)), label="gaps")
-    splits = [sorted(data.draw(st.lists(st.integers(0, n), max_size=3), label="splits")) for n in lens]
-    starts, end = [], 0
-    for n, gap in zip(lens, gaps, strict=True):
-        starts.append(end + gap)
-        end += gap + n
+    starts, end, splits = packed_layout(data, lens)
     x, w, b, _ = make_inputs(1, end, C, K, dtype=dtype, bias=bias, seed=end)
     priors = [make_inputs(1, 1, C, K, dtype=dtype, seed=100 + i)[3] for i in range(len(lens))]
     out, tails, bounds = conv_mod.causal_conv1d_packed(

@@ -21,6 +21,7 @@ from hybridlm.ops.gated_delta import (
     gated_delta_net_scan_packed,
     gated_delta_rule,
 )
+from tests.ops.packed import packed_layout
 
 # As the engine does: subnormal intermediates (from strongly decaying heads) take slow CPU paths.
 torch.set_flush_denormal(True)
@@ -384,12 +385,7 @@ def test_property_packed_scan_equals_each_sequence_alone_bitwise(lens, dtype, da
     (with unused rows between them) give each sequence's output, final state and boundary states bit
     for bit as its own call does."""
     heads = Hk, Hv, Dk, Dv = 2, 4, 32, 48  # Dv = 48: a full column block and a partial one
-    gaps = data.draw(st.lists(st.integers(0, 2), min_size=len(lens), max_size=len(lens)), label="gaps")
-    splits = [sorted(data.draw(st.lists(st.integers(0, n), max_size=3), label="splits")) for n in lens]
-    starts, end = [], 0
-    for n, gap in zip(lens, gaps, strict=True):
-        starts.append(end + gap)
-        end += gap + n
+    starts, end, splits = packed_layout(data, lens)
     x, ab, A_log, dt_bias, _ = gdn_inputs(1, end, Hk, Hv, Dk, Dv, dtype, seed=end)
     states = [gdn_inputs(1, 1, Hk, Hv, Dk, Dv, dtype, seed=100 + i)[4] for i in range(len(lens))]
     packed_states = [s.clone() for s in states]
