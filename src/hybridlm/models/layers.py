@@ -5,17 +5,20 @@ Attribute names follow the Hugging Face checkpoints (families remap where theirs
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from hybridlm.batch import Batch, Packed
 from hybridlm.cache import KVCache, RecurrentCache, SlidingKVCache
-from hybridlm.ops.attention import attention
-from hybridlm.ops.conv import causal_conv1d
+from hybridlm.ops.attention import attention, attention_packed
+from hybridlm.ops.conv import causal_conv1d, causal_conv1d_packed
 from hybridlm.ops.elementwise import elementwise_rows
-from hybridlm.ops.gated_delta import FUSED_MAX_LEN, gated_delta_net_scan
+from hybridlm.ops.gated_delta import FUSED_MAX_LEN, gated_delta_net_scan, gated_delta_net_scan_packed
 from hybridlm.ops.linear import Linear
+from hybridlm.ops.native import FEW_TOKENS
 from hybridlm.ops.norms import GatedRMSNorm
 from hybridlm.ops.rope import Rotary, apply_rotary
 
@@ -38,17 +41,40 @@ def rope_tables(batch: Batch, rotary: Rotary, dtype: torch.dtype) -> tuple[torch
     return batch.memoize(("rope", id(rotary), dtype), lambda: rotary.cos_sin(batch.positions(), dtype))
 
 
-def per_segment(batch: Batch, cache, run, *rows: torch.Tensor, dim: int = 1):
+def per_segment(batch: Batch, cache, run, *rows: torch.Tensor, dim: int = 1, packed=None):
     """`run(batch, cache, *rows)` for a plain batch; for a `Packed` one, per segment on its own cache
     (`cache` is then the list of the segments' caches) with `rows` cut to its bounds along `dim`,
-    the results joined along `dim`."""
+    the results joined along `dim`.
+
+    With `packed`, the decode and verify segments (1 to FEW_TOKENS rows: `few_segments`) run in one
+    call `packed(few, *rows)`, which advances each of their caches and returns the packed result
+    with their rows set; the other segments (prefill chunks) still run one by one into the rest."""
     if not isinstance(batch, Packed):
         return run(batch, cache, *rows)
-    outs = [
-        run(seg, c, *(r.narrow(dim, lo, hi - lo) for r in rows))
-        for seg, c, (lo, hi) in zip(batch.segments, cache, batch.bounds, strict=True)
-    ]
-    return torch.cat(outs, dim=dim)
+    few = few_segments(batch) if packed is not None else []
+    out = packed(few, *rows) if few else None
+    outs = []
+    for i, (seg, c, (lo, hi)) in enumerate(zip(batch.segments, cache, batch.bounds, strict=True)):
+        if out is not None and i in few:
+            continue
+        y = run(seg, c, *(r.narrow(dim, lo, hi - lo) for r in rows))
+        if out is None:
+            outs.append(y)
+        else:
+            out.narrow(dim, lo, hi - lo).copy_(y)
+    return torch.cat(outs, dim=dim) if out is None else out
+
+
+def few_segments(batch: Packed) -> list[int]:
+    """Indices of the segments the packed mixer kernels take: 1 to FEW_TOKENS rows (decode and
+    verify rows), the lengths at which every per-token kernel computes a row as a one-sequence call
+    does, so running them together changes no bit of any sequence."""
+    return [i for i, (lo, hi) in enumerate(batch.bounds) if 0 < hi - lo <= FEW_TOKENS]
+
+
+def segment_rows(batch: Packed, few: list[int]) -> tuple[list[int], list[int]]:
+    """(starts, lengths) of segments `few` in the packed rows."""
+    return [batch.bounds[i][0] for i in few], [batch.bounds[i][1] - batch.bounds[i][0] for i in few]
 
 
 class Attention(nn.Module):
@@ -111,7 +137,8 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         cos, sin = rope_tables(batch, self.rotary, q.dtype)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        o = per_segment(batch, cache, self.attend, q, k, v, dim=2)
+        packed = partial(self.attend_packed, batch, cache)
+        o = per_segment(batch, cache, self.attend, q, k, v, dim=2, packed=packed)
         o = o.transpose(1, 2).reshape(b, length, -1)
         if gate is not None:
             o = o * elementwise_rows(torch.sigmoid, gate)
@@ -119,7 +146,28 @@ class Attention(nn.Module):
 
     def attend(self, batch: Batch, cache: KVCache, q, k, v) -> torch.Tensor:
         """q [B, Hq, L, D], k/v [B, Hkv, L, D] of this forward -> [B, Hq, L, D], after `cache` took k/v."""
-        hist = cache.update(batch, k, v)
+        return self.attend_history(batch, cache.update(batch, k, v), q)
+
+    def attend_packed(self, batch: Packed, caches: list[KVCache], few: list[int], q, k, v) -> torch.Tensor:
+        """Segments `few` of a packed batch (q [1, Hq, T, D], k/v [1, Hkv, T, D]): each cache takes
+        its segment's k/v, then one kernel call attends every segment over its own history ->
+        [1, Hq, T, D] with their rows set."""
+        starts, lens = segment_rows(batch, few)
+        hists = [
+            caches[i].update(batch.segments[i], k.narrow(2, lo, n), v.narrow(2, lo, n))
+            for i, lo, n in zip(few, starts, lens, strict=True)
+        ]
+        out = attention_packed(
+            q, hists, starts, lens, batch.positions(), scale=self.scale, softcap=self.softcap
+        )
+        if out is None:
+            out = q.new_empty(q.shape)
+            for i, lo, n, hist in zip(few, starts, lens, hists, strict=True):
+                out.narrow(2, lo, n).copy_(self.attend_history(batch.segments[i], hist, q.narrow(2, lo, n)))
+        return out
+
+    def attend_history(self, batch: Batch, hist, q) -> torch.Tensor:
+        """q [B, Hq, L, D] over `hist` (the cache's `AttentionHistory` after this forward's k/v)."""
         return attention(
             q,
             hist.keys,
@@ -230,7 +278,8 @@ class GatedDeltaNet(nn.Module):
         else:
             qkv, z, a, b_ = self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_a(x), self.in_proj_b(x)
         ab = torch.cat([a, b_], dim=-1)
-        o = per_segment(batch, cache, self.scan, qkv, ab)
+        packed = partial(self.scan_packed, batch, cache)
+        o = per_segment(batch, cache, self.scan, qkv, ab, packed=packed)
         z = z.view(b, length, self.v_heads, self.v_dim)
         o = self.norm(o.to(x.dtype), z)
         return self.out_proj(o.reshape(b, length, self.value_dim))
@@ -238,7 +287,10 @@ class GatedDeltaNet(nn.Module):
     def scan(self, batch: Batch, cache: RecurrentCache, qkv, ab) -> torch.Tensor:
         """Conv + scan of this forward's scan inputs from `cache`'s state -> o [B, L, Hv, Dv]; the
         cache takes the new state, its captures and (while recording) the inputs."""
-        hist = cache.get(batch)
+        return self.scan_history(batch, cache, cache.get(batch), qkv, ab)
+
+    def scan_history(self, batch: Batch, cache: RecurrentCache, hist, qkv, ab) -> torch.Tensor:
+        """`scan` from `hist`, what `cache.get(batch)` returned for this forward."""
         lens = batch.query_lens if batch.padded else None
         o, tail, state, boundary = self.mix(
             qkv, ab, hist.conv_tail, hist.state, lens, hist.splits, inplace=True
@@ -251,6 +303,42 @@ class GatedDeltaNet(nn.Module):
             inputs=qkv if hist.record else None,
             gates=ab if hist.record else None,
         )
+        return o
+
+    def scan_packed(self, batch: Packed, caches: list[RecurrentCache], few: list[int], qkv, ab):
+        """Segments `few` of a packed batch (qkv [1, T, conv_dim], ab [1, T, 2·Hv]) in one conv call and
+        one scan call, each segment from and into its own cache's conv tail and state (advanced in
+        place) -> o [1, T, Hv, Dv] with their rows set."""
+        starts, lens = segment_rows(batch, few)
+        segs = [batch.segments[i] for i in few]
+        own = [caches[i] for i in few]
+        hists = [c.get(s) for c, s in zip(own, segs, strict=True)]
+        splits = [h.splits for h in hists]
+        conv_w = self.conv1d.weight.squeeze(1)
+        conv = causal_conv1d_packed(
+            qkv, conv_w, None, [h.conv_tail for h in hists], starts, lens, splits, activation="silu"
+        )
+        ran = conv and gated_delta_net_scan_packed(
+            conv[0], ab, self.A_log, self.dt_bias, [h.state for h in hists], starts, lens, splits,
+            k_heads=self.k_heads, k_dim=self.k_dim, v_heads=self.v_heads, v_dim=self.v_dim,
+        )
+        if ran is None:
+            o = qkv.new_empty(1, qkv.shape[1], self.v_heads, self.v_dim)
+            for seg, c, h, lo, n in zip(segs, own, hists, starts, lens, strict=True):
+                rows = qkv.narrow(1, lo, n), ab.narrow(1, lo, n)
+                o.narrow(1, lo, n).copy_(self.scan_history(seg, c, h, *rows))
+            return o
+        o, state_bounds = ran
+        _, tails, tail_bounds = conv
+        for j, (seg, c, h, lo, n) in enumerate(zip(segs, own, hists, starts, lens, strict=True)):
+            c.put(
+                seg,
+                tails[j],
+                h.state,
+                list(zip(tail_bounds[j], state_bounds[j], strict=True)),
+                inputs=qkv.narrow(1, lo, n) if h.record else None,
+                gates=ab.narrow(1, lo, n) if h.record else None,
+            )
         return o
 
 
