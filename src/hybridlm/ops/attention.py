@@ -35,6 +35,15 @@ KERNEL = NativeKernel(
     ctypes.c_int,
     fallback="scaled_dot_product_attention",
 )
+PACKED_KERNEL = NativeKernel(
+    "attention",
+    "attention.c",
+    "hybridlm_attention_packed",
+    [ctypes.c_void_p, _i64, _i64, ctypes.c_void_p, _i64] + [ctypes.c_void_p] * 5 + [_i64] * 5
+    + [ctypes.c_float, ctypes.c_float, ctypes.c_int, ctypes.c_int],
+    ctypes.c_int,
+    fallback="one call per sequence",
+)
 KERNEL_MAX_QUERIES = FEW_TOKENS
 # Keys per block of the kernel (csrc/attention.c `KB`); blocks are aligned to absolute positions.
 KEY_BLOCK = 64
@@ -134,3 +143,62 @@ def attention(
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     return torch.matmul(scores.softmax(-1).to(v.dtype), v)
+
+
+def attention_packed(
+    q: torch.Tensor,
+    histories: list,
+    starts: list[int],
+    lens: list[int],
+    positions: torch.Tensor,
+    *,
+    scale: float,
+    softcap: float | None = None,
+) -> torch.Tensor | None:
+    """``attention`` of several sequences' queries packed end to end, in one C call, each over its
+    own keys / values.
+
+    q: [1, Hq, N, D]; sequence i's queries are rows [starts[i], starts[i] + lens[i]) (each
+    lens[i] in [1, KERNEL_MAX_QUERIES]) at `positions` [1, N]; histories[i]: its
+    `cache.kv.AttentionHistory` (keys / values [1, Hkv, T_i, D], key_start, window, prefix).
+    Returns [1, Hq, N, Dv] with each sequence's outputs at its rows (other rows are unset), bit for
+    bit what `attention` computes for it alone (the kernel runs each sequence's loop unchanged);
+    None where the C kernel does not apply (callers then attend per sequence).
+    """
+    _, Hq, N, D = q.shape
+    dtype = q.dtype
+    views = []
+    for h in histories:
+        pk, pv = h.prefix if h.prefix is not None else (h.keys, h.values)
+        views.append((pk, pv, h.keys, h.values))
+    if not (
+        q.shape[0] == 1
+        and all(0 < n <= KERNEL_MAX_QUERIES for n in lens)
+        and q.is_cpu
+        and dtype in (torch.bfloat16, torch.float32)
+        and q.stride(-1) == 1
+        and all(t.dtype is dtype and t.stride(-1) == 1 and t.shape[0] == 1 for v in views for t in v)
+        and len({(v[0].shape[1], v[3].shape[-1]) for v in views}) == 1
+        and not torch.compiler.is_compiling()
+        and not (torch.is_grad_enabled() and q.requires_grad)
+    ):
+        return None
+    fn = PACKED_KERNEL.get()
+    if fn is None:
+        return None
+    Hkv, Dv = views[0][0].shape[1], views[0][3].shape[-1]
+    out = torch.empty(1, Hq, N, Dv, dtype=dtype)
+    ptrs = torch.tensor([[t.data_ptr() for t in v] for v in views], dtype=torch.int64)
+    fields = []
+    for h, (pk, pv, k, v) in zip(histories, views, strict=True):
+        P = 0 if h.prefix is None else pk.shape[2]
+        fields.append([pk.stride(1), pk.stride(2), pv.stride(1), pv.stride(2), k.stride(1), k.stride(2),
+                       v.stride(1), v.stride(2), P + k.shape[2], P, h.key_start, h.window or 0])
+    fields = torch.tensor(fields, dtype=torch.int64)
+    qpos = positions.to(torch.int64).contiguous()
+    starts_ = torch.tensor(starts, dtype=torch.int64)
+    lens_ = torch.tensor(lens, dtype=torch.int64)
+    fn(q.data_ptr(), q.stride(1), q.stride(2), out.data_ptr(), N, qpos.data_ptr(), starts_.data_ptr(),
+       lens_.data_ptr(), ptrs.data_ptr(), fields.data_ptr(), len(histories), Hq, Hkv, D, Dv, scale,
+       softcap or 0.0, int(dtype is torch.bfloat16), torch.get_num_threads())
+    return out

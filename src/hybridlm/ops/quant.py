@@ -13,7 +13,8 @@ bf16 weight's bytes, int4 (with one bf16 scale per group of 64) reads 4.25 bits 
 Few-row bf16 CPU inputs (decode, speculative verify: up to ``FEW_TOKENS`` rows) run the C kernels of
 ``csrc/quant.c``, which read the packed weights directly and compute each row as they would alone.
 Larger bf16 CPU inputs (prefill) on a CPU with AVX-512 VNNI quantize their activations to int8 per
-row and multiply in integers (`quant_gemm`: about 4× the bf16 GEMM's speed without AMX). Elsewhere
+row and multiply in integers (`quant_gemm`: about 4× the bf16 GEMM's speed without AMX), and so do
+prompt rows of any number inside `quant_gemm.prompt_rows` (the engine's prefill chunks). Elsewhere
 they dequantize the weight to bf16 in slabs of rows and use the bf16 GEMM (``F.linear``); so do
 other devices and dtypes (where the whole weight is dequantized by torch).
 """
@@ -21,6 +22,7 @@ other devices and dtypes (where the whole weight is dequantized by torch).
 from __future__ import annotations
 
 import ctypes
+import itertools
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +30,7 @@ from torch import nn
 
 from hybridlm.ops.linear import in_row_groups, rowwise_applies
 from hybridlm.ops.native import FEW_TOKENS, NativeKernel
-from hybridlm.ops.quant_gemm import int4_prefill, int8_prefill, prefill_applies
+from hybridlm.ops.quant_gemm import int4_prefill, int8_prefill, prefill_applies, prompt_rows_on
 
 __all__ = [
     "QUANTIZATIONS", "QuantLinear", "from_panels", "pack_int4", "quantize_", "to_panels", "unpack_int4",
@@ -108,6 +110,25 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return (((words[..., None] >> shifts) & 15) - 8).to(torch.int8).view(n, half * 2)
 
 
+def _rows_joined(qweights: list[torch.Tensor], scales: list[torch.Tensor], bits: int):
+    """(qweight, scales) of the layers' output rows one after another (int4: out of and back into panels)."""
+    if bits == 8:
+        return torch.cat(qweights), torch.cat(scales)
+    words = [from_panels(q.contiguous().view(torch.int32)) for q in qweights]
+    n, k = sum(w.shape[0] for w in words), qweights[0].shape[1]
+    q = to_panels(torch.cat(words)).contiguous().view(torch.uint8).view(n, k)
+    return q, to_panels(torch.cat([from_panels(s) for s in scales])).contiguous()
+
+
+def _rows_of(qweight: torch.Tensor, scales: torch.Tensor, bits: int, lo: int, hi: int):
+    """(qweight, scales) of output rows [lo, hi) as a layer of their own (int4: in its own panels)."""
+    if bits == 8:
+        return qweight[lo:hi].clone(), scales[lo:hi].clone()
+    words = from_panels(qweight.contiguous().view(torch.int32))[lo:hi]
+    q = to_panels(words.contiguous()).contiguous().view(torch.uint8).view(hi - lo, qweight.shape[1])
+    return q, to_panels(from_panels(scales)[lo:hi].contiguous()).contiguous()
+
+
 class QuantLinear(nn.Module):
     """A weight-only quantized ``Linear`` (made by `from_linear`, or built empty to load into).
 
@@ -166,6 +187,42 @@ class QuantLinear(nn.Module):
             out.bias.copy_(layer.bias.detach())
         return out
 
+    @classmethod
+    @torch.no_grad()
+    def concat(cls, layers: list[QuantLinear]) -> QuantLinear:
+        """One layer whose output rows are `layers`' rows one after another, each stored as it was (int4
+        panels re-cut at the new row offsets), so each output computes the same numbers. The layers
+        share input width, bits, group size, scale dtype and having a bias (else ValueError)."""
+        first = layers[0]
+        def kind(q: QuantLinear) -> tuple:
+            return q.in_features, q.bits, q.group_size, q.scales.dtype, q.bias is None
+
+        if any(kind(q) != kind(first) for q in layers):
+            raise ValueError("layers of different input widths, schemes, group sizes, scale dtypes or biases")
+        qweight, scales = _rows_joined([q.qweight for q in layers], [q.scales for q in layers], first.bits)
+        out = cls(first.in_features, qweight.shape[0], first.bits, first.group_size, False, device="meta",
+                  scale_dtype=first.scales.dtype)
+        out.qweight, out.scales = qweight, scales
+        if first.bias is not None:
+            out.bias = nn.Parameter(torch.cat([q.bias for q in layers]), requires_grad=False)
+        return out
+
+    @torch.no_grad()
+    def split(self, sizes: list[int]) -> list[QuantLinear]:
+        """Inverse of `concat`: the layers of `sizes` output rows each, one after another."""
+        if sum(sizes) != self.out_features:
+            raise ValueError(f"sizes {sizes} do not add up to {self.out_features} output rows")
+        parts = []
+        for lo, n in zip(itertools.accumulate([0, *sizes]), sizes, strict=False):
+            q, s = _rows_of(self.qweight, self.scales, self.bits, lo, lo + n)
+            part = QuantLinear(self.in_features, n, self.bits, self.group_size, False, device="meta",
+                               scale_dtype=self.scales.dtype)
+            part.qweight, part.scales = q, s
+            if self.bias is not None:
+                part.bias = nn.Parameter(self.bias[lo : lo + n].clone(), requires_grad=False)
+            parts.append(part)
+        return parts
+
     def dequantized(self, dtype: torch.dtype = torch.bfloat16, rows: slice | None = None) -> torch.Tensor:
         """The weight [out, in] (or `rows` of it) as `dtype`, by torch ops (any device)."""
         rows = rows or slice(None)
@@ -223,13 +280,18 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out] in x's dtype; few-row bf16 CPU inputs accumulate in float32
         and round once."""
+        if prompt_rows_on() and self._integer_applies(x):
+            # prompt rows, however few: the numbers a one-piece prefill gives them (quant_gemm)
+            y = self._forward_integer(x.reshape(-1, self.in_features))
+            if y is not None:
+                return y.view(*x.shape[:-1], self.out_features)
         fn = (INT8_KERNEL if self.bits == 8 else INT4_KERNEL).get() if self._kernel_applies(x) else None
         if fn is None:
             if rowwise_applies(x):
                 # Packed decode rows of many sequences: each row as a one-row call computes it.
                 group = FEW_TOKENS if self._kernel_applies(x.reshape(-1, self.in_features)[:1]) else 1
                 return in_row_groups(x, group, self.forward, self.out_features)
-            if prefill_applies(x, self.qweight) and (self.bias is None or self.bias.dtype is torch.bfloat16):
+            if self._integer_applies(x):
                 y = self._forward_integer(x.reshape(-1, self.in_features))
                 if y is not None:
                     return y.view(*x.shape[:-1], self.out_features)
@@ -248,6 +310,9 @@ class QuantLinear(nn.Module):
             fp16 = int(scales.dtype is torch.float16)
             fn(x.data_ptr(), rows, q, s, fp16, bias, y.data_ptr(), n, k, self.group_size, threads)
         return y
+
+    def _integer_applies(self, x: torch.Tensor) -> bool:
+        return prefill_applies(x, self.qweight) and (self.bias is None or self.bias.dtype is torch.bfloat16)
 
     def _forward_integer(self, x: torch.Tensor) -> torch.Tensor | None:
         """x [M, in] bf16 -> [M, out] bf16 by int8 activations (`quant_gemm`); None where the

@@ -46,6 +46,82 @@ static inline void axpy(float* y, float a, const void* x, int64_t D, int bf16) {
     for (; i < D; i++) y[i] += a * load(x, i, bf16);
 }
 
+/* One sequence's key/value heads' buffers (pointers at its batch row, strides in elements): pk / pv
+   the P rows of a read-only shared prefix, then k / v its own; key row j (0 <= j < T, counted across
+   both buffers) holds position key_start + j. */
+typedef struct {
+    const char *pk, *pv, *k, *v;
+    int64_t pk_sh, pk_st, pv_sh, pv_st, k_sh, k_st, v_sh, v_st, T, P, key_start;
+} kv_view;
+
+/* The L queries of one sequence on key/value head g: q rows (head h, token t) at q + h*q_sh + t*q_sl,
+   positions qpos [L], outputs at out + h*out_sh + t*out_sl (elements). buf holds
+   R*(D + Dv + 2) + KB floats, R = (Hq/Hkv)*L. Both entry points run exactly this, so a sequence's
+   numbers never depend on what else was in the call. */
+static void attend_group(const char* q, int64_t q_sh, int64_t q_sl, const kv_view* kv, int64_t g,
+                         char* out, int64_t out_sh, int64_t out_sl, const int64_t* qpos, int64_t Hq,
+                         int64_t Hkv, int64_t L, int64_t D, int64_t Dv, int64_t window, float scale,
+                         float softcap, int is_bf16, float* buf) {
+    const int64_t rep = Hq / Hkv, R = rep * L, T = kv->T, P = kv->P, key_start = kv->key_start;
+    const size_t es = is_bf16 ? 2 : 4;
+    float *qf = buf, *acc = qf + R * D, *m = acc + R * Dv, *l = m + R, *sc = l + R;
+    int64_t lo = INT64_MAX, hi = -1;
+    for (int64_t r = 0; r < R; r++) {
+        const int64_t h = g * rep + r / L, t = r % L;
+        const char* qrow = q + (h * q_sh + t * q_sl) * es;
+        for (int64_t i = 0; i < D; i++) qf[r * D + i] = load(qrow, i, is_bf16);
+        for (int64_t i = 0; i < Dv; i++) acc[r * Dv + i] = 0.f;
+        m[r] = -INFINITY;
+        l[r] = 0.f;
+        const int64_t p = qpos[t], first = window > 0 ? p - window + 1 : 0;
+        if (first < lo) lo = first;
+        if (p > hi) hi = p;
+    }
+    if (lo < key_start) lo = key_start;
+    if (hi > key_start + T - 1) hi = key_start + T - 1;
+    const int64_t b0 = lo >= 0 ? lo / KB * KB : 0;
+    for (int64_t p0 = b0; p0 <= hi; p0 += KB) {
+        for (int64_t r = 0; r < R; r++) {
+            const int64_t p = qpos[r % L];
+            int64_t a = p0, z = p0 + KB - 1;
+            if (a < key_start) a = key_start;
+            if (window > 0 && a < p - window + 1) a = p - window + 1;
+            if (z > p) z = p;
+            if (z > key_start + T - 1) z = key_start + T - 1;
+            if (a > z) continue;
+            float bm = -INFINITY;
+            for (int64_t j = a; j <= z; j++) {
+                const int64_t jj = j - key_start;
+                const char* kj = jj < P ? kv->pk + (g * kv->pk_sh + jj * kv->pk_st) * es
+                                        : kv->k + (g * kv->k_sh + (jj - P) * kv->k_st) * es;
+                float s = dot(qf + r * D, kj, D, is_bf16) * scale;
+                if (softcap > 0.f) s = tanhf(s / softcap) * softcap;
+                sc[j - a] = s;
+                if (s > bm) bm = s;
+            }
+            const float mn = bm > m[r] ? bm : m[r];
+            const float alpha = expf(m[r] - mn);
+            float* ar = acc + r * Dv;
+            for (int64_t i = 0; i < Dv; i++) ar[i] *= alpha;
+            l[r] *= alpha;
+            for (int64_t j = a; j <= z; j++) {
+                const float e = expf(sc[j - a] - mn);
+                l[r] += e;
+                const int64_t jj = j - key_start;
+                const char* vj = jj < P ? kv->pv + (g * kv->pv_sh + jj * kv->pv_st) * es
+                                        : kv->v + (g * kv->v_sh + (jj - P) * kv->v_st) * es;
+                axpy(ar, e, vj, Dv, is_bf16);
+            }
+            m[r] = mn;
+        }
+    }
+    for (int64_t r = 0; r < R; r++) {
+        const int64_t h = g * rep + r / L, t = r % L;
+        const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+        for (int64_t i = 0; i < Dv; i++) store(out, h * out_sh + t * out_sl + i, acc[r * Dv + i] * inv, is_bf16);
+    }
+}
+
 /* q [B, Hq, L, D]; the keys / values are two buffers read as one: pk [B, Hkv, P, D], pv [B, Hkv, P, Dv]
    (a read-only shared prefix; P may be 0) then k [B, Hkv, T - P, D], v [B, Hkv, T - P, Dv] (strides
    in elements, last dim contiguous); out [B, Hq, L, Dv] contiguous; qpos [B, L] absolute query
@@ -61,7 +137,7 @@ int hybridlm_attention(const void* q, const void* pk, const void* pv, const void
                        int64_t k_sh, int64_t k_st, int64_t v_sb, int64_t v_sh, int64_t v_st,
                        int64_t key_start, int64_t window, float scale, float softcap, int is_bf16,
                        int nthreads) {
-    const int64_t rep = Hq / Hkv, R = rep * L;
+    const int64_t R = Hq / Hkv * L;
     const size_t es = is_bf16 ? 2 : 4;
     int failed = 0;
     #pragma omp parallel for schedule(static) num_threads(nthreads)
@@ -73,66 +149,51 @@ int hybridlm_attention(const void* q, const void* pk, const void* pv, const void
             failed = 1;
             continue;
         }
-        float *qf = buf, *acc = qf + R * D, *m = acc + R * Dv, *l = m + R, *sc = l + R;
-        int64_t lo = INT64_MAX, hi = -1;
-        for (int64_t r = 0; r < R; r++) {
-            const int64_t h = g * rep + r / L, t = r % L;
-            const int64_t qrow = b * q_sb + h * q_sh + t * q_sl;
-            for (int64_t i = 0; i < D; i++) qf[r * D + i] = load(q, qrow + i, is_bf16);
-            for (int64_t i = 0; i < Dv; i++) acc[r * Dv + i] = 0.f;
-            m[r] = -INFINITY;
-            l[r] = 0.f;
-            const int64_t p = qpos[b * L + t], first = window > 0 ? p - window + 1 : 0;
-            if (first < lo) lo = first;
-            if (p > hi) hi = p;
+        const kv_view kv = {
+            (const char*)pk + b * pk_sb * es, (const char*)pv + b * pv_sb * es,
+            (const char*)k + b * k_sb * es, (const char*)v + b * v_sb * es,
+            pk_sh, pk_st, pv_sh, pv_st, k_sh, k_st, v_sh, v_st, T, P, key_start,
+        };
+        attend_group((const char*)q + b * q_sb * es, q_sh, q_sl, &kv, g, (char*)out + b * Hq * L * Dv * es,
+                     L * Dv, Dv, qpos + b * L, Hq, Hkv, L, D, Dv, window, scale, softcap, is_bf16, buf);
+        free(buf);
+    }
+    return failed ? -1 : 0;
+}
+
+/* Several sequences' queries packed end to end in one call (decode and verify rows of many
+   sequences), each over its own keys / values: q [Hq, N, D] (strides q_sh, q_sl) and out [Hq, N, Dv]
+   (contiguous) hold sequence i's rows at [starts[i], starts[i] + lens[i]), at positions qpos [N];
+   ptrs[i] = (pk, pv, k, v) its buffers' addresses at its batch row, views[i] = (pk_sh, pk_st, pv_sh,
+   pv_st, k_sh, k_st, v_sh, v_st, T, P, key_start, window) as in hybridlm_attention. Rows outside every
+   sequence are not touched. Parallel over sequences x key/value heads; each runs attend_group as
+   hybridlm_attention would on that sequence alone, so the bits are the same. Returns 0, or -1 when
+   out of memory. */
+int hybridlm_attention_packed(const void* q, int64_t q_sh, int64_t q_sl, void* out, int64_t N,
+                              const int64_t* qpos, const int64_t* starts, const int64_t* lens,
+                              const int64_t* ptrs, const int64_t* views, int64_t nseq, int64_t Hq,
+                              int64_t Hkv, int64_t D, int64_t Dv, float scale,
+                              float softcap, int is_bf16, int nthreads) {
+    const size_t es = is_bf16 ? 2 : 4;
+    int failed = 0;
+    #pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t ig = 0; ig < nseq * Hkv; ig++) {
+        const int64_t i = ig / Hkv, g = ig % Hkv, L = lens[i], R = Hq / Hkv * L;
+        float* buf = malloc(sizeof(float) * (R * (D + Dv + 2) + KB));
+        if (!buf) {
+            #pragma omp atomic write
+            failed = 1;
+            continue;
         }
-        if (lo < key_start) lo = key_start;
-        if (hi > key_start + T - 1) hi = key_start + T - 1;
-        const int64_t b0 = lo >= 0 ? lo / KB * KB : 0;
-        for (int64_t p0 = b0; p0 <= hi; p0 += KB) {
-            for (int64_t r = 0; r < R; r++) {
-                const int64_t p = qpos[b * L + r % L];
-                int64_t a = p0, z = p0 + KB - 1;
-                if (a < key_start) a = key_start;
-                if (window > 0 && a < p - window + 1) a = p - window + 1;
-                if (z > p) z = p;
-                if (z > key_start + T - 1) z = key_start + T - 1;
-                if (a > z) continue;
-                float bm = -INFINITY;
-                for (int64_t j = a; j <= z; j++) {
-                    const int64_t jj = j - key_start;
-                    const char* kj = jj < P ? (const char*)pk + (b * pk_sb + g * pk_sh + jj * pk_st) * es
-                                            : (const char*)k + (b * k_sb + g * k_sh + (jj - P) * k_st) * es;
-                    float s = dot(qf + r * D, kj, D, is_bf16) * scale;
-                    if (softcap > 0.f) s = tanhf(s / softcap) * softcap;
-                    sc[j - a] = s;
-                    if (s > bm) bm = s;
-                }
-                const float mn = bm > m[r] ? bm : m[r];
-                const float alpha = expf(m[r] - mn);
-                float* ar = acc + r * Dv;
-                for (int64_t i = 0; i < Dv; i++) ar[i] *= alpha;
-                l[r] *= alpha;
-                for (int64_t j = a; j <= z; j++) {
-                    const float e = expf(sc[j - a] - mn);
-                    l[r] += e;
-                    const int64_t jj = j - key_start;
-                    const char* vj = jj < P ? (const char*)pv + (b * pv_sb + g * pv_sh + jj * pv_st) * es
-                                            : (const char*)v + (b * v_sb + g * v_sh + (jj - P) * v_st) * es;
-                    axpy(ar, e, vj, Dv, is_bf16);
-                }
-                m[r] = mn;
-            }
-        }
-        for (int64_t r = 0; r < R; r++) {
-            const int64_t h = g * rep + r / L, t = r % L;
-            const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
-            for (int64_t i = 0; i < Dv; i++) {
-                const int64_t o = ((b * Hq + h) * L + t) * Dv + i;
-                const float y = acc[r * Dv + i] * inv;
-                store(out, o, y, is_bf16);
-            }
-        }
+        const int64_t* p = ptrs + 4 * i;
+        const int64_t* w = views + 12 * i;
+        const kv_view kv = {
+            (const char*)(intptr_t)p[0], (const char*)(intptr_t)p[1], (const char*)(intptr_t)p[2],
+            (const char*)(intptr_t)p[3], w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7], w[8], w[9], w[10],
+        };
+        attend_group((const char*)q + starts[i] * q_sl * es, q_sh, q_sl, &kv, g,
+                     (char*)out + starts[i] * Dv * es, N * Dv, Dv, qpos + starts[i], Hq, Hkv, L, D, Dv,
+                     w[11], scale, softcap, is_bf16, buf);
         free(buf);
     }
     return failed ? -1 : 0;
