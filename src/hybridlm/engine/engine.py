@@ -1,14 +1,15 @@
 """The engine: a worker thread that serves many queued requests at once (continuous batching).
 
 Loop: `_schedule` admits requests from a bounded FIFO queue into the running set, in arrival order,
-up to `max_running` and while their memory fits; `_step` advances every running sequence by one
-unit of work — every decode row and every speculative sequence's verify rows in one packed forward
-(each weight read once for all of them, each row computed as it is alone; each sequence then
-commits its own accepted prefix), and prefill chunks under the per-step token budget; `_emit` hands
-each request its event and retires the finished ones, whose slots go back at once. A request of n
-choices prefills once and forks n sequences. A request's output never depends on what else runs:
-its prefill is cut into the chunks it gets alone, and its decode and verify rows go through the
-per-token kernels, which compute each row independently.
+up to `max_running` and while their memory fits; `_step` advances every running sequence by one unit
+of work — every decode row and every speculative sequence's verify rows in one packed forward (each
+weight read once for all of them, each row computed as it is alone; each sequence then commits its
+own accepted prefix), and prefill chunks round-robin under the per-step token budget (prompts that
+arrive while streams decode on a decode-priority time share, `engine/share.py`); `_emit` hands each
+request its event and retires the finished ones, whose slots go back at once. A request of n choices
+prefills once and forks n sequences. A request's output never depends on what else runs: its prefill
+is cut into the chunks it gets alone, and its decode and verify rows go through the per-token
+kernels, which compute each row independently.
 
 Callers talk to the engine through `Request` handles: events arrive through a sink (called on the
 engine thread, so it must be quick); `stream`/`generate` wrap that for blocking code and
@@ -142,15 +143,16 @@ class Engine:
         request prefills its whole prompt into fresh caches). speculative: a `Speculator`, or a
         function returning a fresh `Drafter` per request (wrapped in a default `Speculator`); None
         decodes one token per step. Requests opt out with `SamplingParams(speculative=False)`.
-        max_running: most sequences advanced together (each has its own caches; a prefix cache gets
-        as many slots). max_batch_tokens: tokens per step: decode and verify rows first, then prefill
-        chunks in arrival order while they fit (at least one chunk per step, so prompts always
-        progress; a chunk is never cut). max_memory: bytes of caches (state + KV for prompt and
-        max_tokens) the running sequences may hold; a request that does not fit waits (alone it is
-        always admitted). Default: half of the memory available at start. prefill_share: while
-        streams decode, prefill chunks of prompts admitted after a stream's first token (late prompts)
-        get at most this fraction of the decode steps' seconds, on average (> 0; a time share, measured
-        online: a late chunk runs once the credit each decode step adds covers its expected seconds).
+        max_running: most sequences advanced together (each has its own caches; a prefix cache gets as
+        many slots). max_batch_tokens: tokens per step: decode and verify rows first, then prefill
+        chunks round-robin across the prompts while they fit (at least one chunk per step unless the
+        time share holds every prompt back; a chunk is never cut). max_memory: bytes of caches (state +
+        KV for prompt and max_tokens) the running sequences may hold; a request that does not fit waits
+        (alone it is always admitted). Default: half of the memory available at start. prefill_share:
+        while streams decode, prefill chunks of prompts admitted after a stream's first token (late
+        prompts) get at most this fraction of the decode steps' seconds, on average (> 0; a time share,
+        measured online: a late chunk runs once the credit each decode step adds covers its expected
+        seconds).
     """
 
     # `health_problem` calls the engine stalled when it holds work yet no forward pass or scheduling
