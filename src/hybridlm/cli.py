@@ -30,6 +30,7 @@ environment variables (a flag given on the command line wins):
   HYBRIDLM_MAX_QUEUE        --max-queue
   HYBRIDLM_MAX_RUNNING      --max-running
   HYBRIDLM_MAX_BATCH_TOKENS --max-batch-tokens
+  HYBRIDLM_PREFILL_SHARE    --prefill-share
   HYBRIDLM_CONTEXT_LENGTH   --context-length
   HYBRIDLM_GRACEFUL_TIMEOUT --graceful-timeout
   HYBRIDLM_MAX_BODY         --max-body
@@ -250,6 +251,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "(default 512) [env HYBRIDLM_MAX_BATCH_TOKENS]",
     )
     p.add_argument(
+        "--prefill-share",
+        type=positive_float,
+        default=_env("HYBRIDLM_PREFILL_SHARE", "0.5"),
+        help="while requests decode, prompts that arrive later prefill for at most this fraction of "
+        "the decode time (on average), so their time per output token grows at most 1 + this "
+        "factor; the late prompt waits longer for its first token (default 0.5) "
+        "[env HYBRIDLM_PREFILL_SHARE]",
+    )
+    p.add_argument(
         "--context-length",
         type=_ranged(int, 2, what="an integer"),
         default=_env("HYBRIDLM_CONTEXT_LENGTH"),
@@ -393,6 +403,7 @@ def make_engine(model, args):
         speculative=speculative,
         max_running=args.max_running,
         max_batch_tokens=args.max_batch_tokens,
+        prefill_share=args.prefill_share,
     )
 
 

@@ -171,20 +171,23 @@ class ScanCache(LayerCache):
 
     # ---- the input log -------------------------------------------------------------------
     def _log_slice(self, lo: int, hi: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Compact copies of the logged inputs/gates of [lo, hi), or (None, None) if not held."""
+        """Compact copies of the logged inputs/gates of [lo, hi), or (None, None) if not held. The
+        log's pieces are joined once and kept joined: a forward crossing several capture offsets
+        slices the same tensor (joining per slice copied the whole log each time, ~12 MB a layer
+        per capture at 512 tokens of a Qwen3.5-0.8B shape)."""
         if not self.record or not self._log or lo < self._log_start:
             return None, None
-        inputs = torch.cat([x for x, _ in self._log], dim=1)
+        if len(self._log) > 1:
+            gates = None if self._log[0][1] is None else torch.cat([g for _, g in self._log], dim=1)
+            self._log = [(torch.cat([x for x, _ in self._log], dim=1), gates)]
+        inputs, gates = self._log[0]
         i, j = lo - self._log_start, hi - self._log_start
         if j > inputs.shape[1]:
             return None, None
-        gates = None
-        if self._log[0][1] is not None:
-            gates = torch.cat([g for _, g in self._log], dim=1)[:, i:j].clone()
-        return inputs[:, i:j].clone(), gates
+        return inputs[:, i:j].clone(), None if gates is None else gates[:, i:j].clone()
 
     def _drop_log_before(self, pos: int) -> None:
-        if not self._log:
+        if not self._log or pos == self._log_start:
             return
         inputs, gates = self._log_slice(pos, self.offset)
         self._log = [] if inputs is None else [(inputs, gates)]

@@ -1,14 +1,15 @@
 """The engine: a worker thread that serves many queued requests at once (continuous batching).
 
 Loop: `_schedule` admits requests from a bounded FIFO queue into the running set, in arrival order,
-up to `max_running` and while their memory fits; `_step` advances every running sequence by one
-unit of work — every decode row and every speculative sequence's verify rows in one packed forward
-(each weight read once for all of them, each row computed as it is alone; each sequence then
-commits its own accepted prefix), and prefill chunks under the per-step token budget; `_emit` hands
-each request its event and retires the finished ones, whose slots go back at once. A request of n
-choices prefills once and forks n sequences. A request's output never depends on what else runs:
-its prefill is cut into the chunks it gets alone, and its decode and verify rows go through the
-per-token kernels, which compute each row independently.
+up to `max_running` and while their memory fits; `_step` advances every running sequence by one unit
+of work — every decode row and every speculative sequence's verify rows in one packed forward (each
+weight read once for all of them, each row computed as it is alone; each sequence then commits its
+own accepted prefix), and prefill chunks round-robin under the per-step token budget (prompts that
+arrive while streams decode on a decode-priority time share, `engine/share.py`); `_emit` hands each
+request its event and retires the finished ones, whose slots go back at once. A request of n choices
+prefills once and forks n sequences. A request's output never depends on what else runs: its prefill
+is cut into the chunks it gets alone, and its decode and verify rows go through the per-token
+kernels, which compute each row independently.
 
 Callers talk to the engine through `Request` handles: events arrive through a sink (called on the
 engine thread, so it must be quick); `stream`/`generate` wrap that for blocking code and
@@ -50,6 +51,7 @@ from hybridlm.engine.request import (
     TokenLogprob,
     Usage,
 )
+from hybridlm.engine.share import PrefillShare
 from hybridlm.engine.stats import EngineStats
 from hybridlm.engine.stop import StopStrings
 from hybridlm.models.base import CausalLM, forward_packed
@@ -93,6 +95,7 @@ class _Running:
     index: int = 0  # its choice of the request (`SamplingParams.n`)
     forks: int = 0  # choices still to fork from it when its prefill ends
     forked: bool = False  # a choice > 0: its prompt state was copied, not computed
+    admitted: int = 0  # admission order (prefill chunks go round-robin in this order)
 
 
 @dataclass
@@ -140,12 +143,16 @@ class Engine:
         request prefills its whole prompt into fresh caches). speculative: a `Speculator`, or a
         function returning a fresh `Drafter` per request (wrapped in a default `Speculator`); None
         decodes one token per step. Requests opt out with `SamplingParams(speculative=False)`.
-        max_running: most sequences advanced together (each has its own caches; a prefix cache gets
-        as many slots). max_batch_tokens: tokens per step: decode and verify rows first, then prefill
-        chunks in arrival order while they fit (at least one chunk per step, so prompts always
-        progress; a chunk is never cut). max_memory: bytes of caches (state + KV for prompt and
-        max_tokens) the running sequences may hold; a request that does not fit waits (alone it is
-        always admitted). Default: half of the memory available at start.
+        max_running: most sequences advanced together (each has its own caches; a prefix cache gets as
+        many slots). max_batch_tokens: tokens per step: decode and verify rows first, then prefill
+        chunks round-robin across the prompts while they fit (at least one chunk per step unless the
+        time share holds every prompt back; a chunk is never cut). max_memory: bytes of caches (state +
+        KV for prompt and max_tokens) the running sequences may hold; a request that does not fit waits
+        (alone it is always admitted). Default: half of the memory available at start. prefill_share:
+        while streams decode, prefill chunks of prompts admitted after a stream's first token (late
+        prompts) get at most this fraction of the decode steps' seconds, on average (> 0; a time share,
+        measured online: a late chunk runs once the credit each decode step adds covers its expected
+        seconds).
     """
 
     # `health_problem` calls the engine stalled when it holds work yet no forward pass or scheduling
@@ -164,6 +171,7 @@ class Engine:
         max_running: int = 8,
         max_batch_tokens: int = 512,
         max_memory: int | None = None,
+        prefill_share: float = 0.5,
     ):
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
@@ -171,6 +179,12 @@ class Engine:
             raise ValueError(f"max_running must be >= 1, got {max_running}")
         if max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
+        if not prefill_share > 0:
+            raise ValueError(f"prefill_share must be > 0, got {prefill_share}")
+        self.prefill_share = prefill_share
+        self._share = PrefillShare(prefill_share)
+        self._admitted = 0  # sequences admitted so far (their `admitted` order)
+        self._last_prefilled = 0  # admission order of the sequence that ran the last prefill chunk
         self.max_running = max_running
         self.max_batch_tokens = max_batch_tokens
         self.max_memory = max_memory if max_memory is not None else available_memory() // 2
@@ -414,6 +428,8 @@ class Engine:
         running.forks = request.params.n - 1
         running.reserved = self._bytes_for(request)
         self._reserved += running.reserved
+        self._admitted += 1
+        running.admitted = self._admitted
         with self.stats.lock:
             self.stats.queue_seconds.observe(running.started - request.arrival)
         log.debug(
@@ -480,7 +496,7 @@ class Engine:
     def _step(self, batch: list[_Running]) -> list[tuple[_Running, Event]]:
         """Advance every running sequence by one unit of work; one event per sequence that produced
         tokens or finished. The decode rows and verify rows of every sequence past its prefill share
-        one packed forward; prefill chunks go in arrival order under `max_batch_tokens`."""
+        one packed forward; then prefill chunks (`_prefill_chunks`)."""
         out: list[tuple[_Running, Event]] = []
         decoding: list[_Running] = []
         prefilling: list[_Running] = []
@@ -492,31 +508,58 @@ class Engine:
                 prefilling.append(running)
             else:
                 decoding.append(running)
+        t0 = time.perf_counter()
         out.extend(self._decode(decoding))
-        rows = self._step_rows  # tokens this step runs: decode and verify rows, then prefill chunks
-        chunks = 0
-        for running in prefilling:
-            event = None
-            while event is None and running.prefill_done is None:
-                if running.request.cancelled:
-                    event = self._finish(running, CANCELLED)
-                    break
-                piece = self._guarded(running, self._next_chunk)
-                if isinstance(piece, Event):  # its session could not begin
-                    event = piece
-                    break
-                if chunks and rows + piece > self.max_batch_tokens:
-                    break
-                chunks += 1
-                rows += piece
-                event = self._guarded(running, self._advance)
-            if event is not None:
-                out.append((running, event))
+        decode_seconds = time.perf_counter() - t0
+        # Prompts admitted after a stream began decoding are late: they prefill on the time share.
+        since = min((r.prefill_done for r in decoding), default=None)
+        late = {id(r) for r in prefilling if since is not None and r.started > since}
+        self._share.open(decode_seconds if decoding else 0.0, waiting=bool(late))
+        out.extend(self._prefill_chunks(prefilling, late))
         for fork in self._forked:  # choices > 0 of a prompt whose prefill just ended: their first token
             out.append((fork, self._guarded(fork, self._next_token)))
         with self._wake:
             self._running.extend(self._forked)
         self._forked = []
+        return out
+
+    def _prefill_chunks(self, prefilling: list[_Running], late: set[int]) -> list[tuple[_Running, Event]]:
+        """Run prefill chunks of `prefilling` (admission order): round-robin, one chunk per sequence
+        per turn, starting after the sequence that ran the last one, while `rows + chunk <=
+        max_batch_tokens` (decode and verify rows count first; at least one chunk per step unless the
+        time share holds back every prompt: a chunk is never cut). A late prompt (id in `late`) runs
+        a chunk only when the time share allows it. Events of sequences that finished their prefill
+        (first token) or failed."""
+        out: list[tuple[_Running, Event]] = []
+        rows = self._step_rows  # tokens this step runs: decode and verify rows, then prefill chunks
+        chunks = 0
+        turn = sorted(prefilling, key=lambda r: (r.admitted <= self._last_prefilled, r.admitted))
+        while turn:
+            waiting = []
+            for running in turn:
+                if running.request.cancelled:
+                    out.append((running, self._finish(running, CANCELLED)))
+                    continue
+                piece = self._guarded(running, self._next_chunk)
+                if isinstance(piece, Event):  # its session could not begin
+                    out.append((running, piece))
+                    continue
+                if chunks and rows + piece > self.max_batch_tokens:
+                    continue
+                throttled = id(running) in late
+                if throttled and not self._share.allows(piece):
+                    continue
+                t0 = time.perf_counter()
+                event = self._guarded(running, self._advance)
+                self._share.ran(piece, time.perf_counter() - t0, throttled)
+                chunks += 1
+                rows += piece
+                self._last_prefilled = running.admitted
+                if event is not None:
+                    out.append((running, event))
+                elif running.prefill_done is None:
+                    waiting.append(running)
+            turn = waiting
         with self.stats.lock:
             self.stats.batch_rows.observe(rows)
         return out
