@@ -88,24 +88,37 @@ def test_many_queries_use_sdpa(monkeypatch):
     torch.testing.assert_close(got.double(), ref, atol=1e-5, rtol=1e-5)
 
 
+def segmented(k, v, cuts, seed):
+    """`k`, `v` [B, H, T, D] cut at key rows `cuts` into segments, each a strided view of a buffer of
+    its own (as caches hold them: a trie snapshot, a frozen fork buffer, the own buffer with slack)."""
+    gen = torch.Generator().manual_seed(seed)
+    out, bounds = [], [0, *cuts, k.shape[2]]
+    for a, b in zip(bounds, bounds[1:], strict=False):
+        n, slack = b - a, int(torch.randint(0, 40, (1,), generator=gen))
+        bk = torch.randn(k.shape[0], k.shape[1], n + slack, k.shape[3], generator=gen).to(k.dtype)
+        bv = torch.randn(v.shape[0], v.shape[1], n + slack, v.shape[3], generator=gen).to(v.dtype)
+        bk[:, :, :n], bv[:, :, :n] = k[:, :, a:b], v[:, :, a:b]
+        out.append((bk[:, :, :n], bv[:, :, :n]))
+    return out
+
+
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("L", "window", "softcap"), [(1, None, None), (9, None, 30.0), (4, 100, None)])
-@pytest.mark.parametrize("split", [KEY_BLOCK, 2 * KEY_BLOCK, 3 * KEY_BLOCK, 100])
-def test_split_buffers_give_the_single_buffers_bits(dtype, L, window, softcap, split):
-    """A shared prefix buffer then the sequence's own buffer (copy-on-write) read as one: the same
-    bits as the single buffer, for splits at key blocks (what caches use) and off them."""
+@pytest.mark.parametrize(
+    "cuts", [(KEY_BLOCK,), (2 * KEY_BLOCK,), (90,), (54, 118, 182), (1, 2, 100, 101, 200, 229), (3, 3, 150)]
+)
+def test_segments_give_the_single_buffers_bits(dtype, L, window, softcap, cuts):
+    """Shared segments then the sequence's own buffer (copy-on-write) read as one: the same bits as
+    the single buffer, for cuts at key blocks and off them, one segment or many (empty ones too)."""
     T, key_start = 230, 10
-    q, k, v = inputs(1, 8, 2, L, T, 64, dtype, seed=split + L)
-    own_k, own_v = torch.randn(1, 2, 300, 64).to(dtype), torch.randn(1, 2, 300, 64).to(dtype)
-    cut = split - key_start
-    own_k[:, :, : T - cut], own_v[:, :, : T - cut] = k[:, :, cut:], v[:, :, cut:]  # a strided own buffer
-    batch = Batch.single([0] * L, offset=key_start + T - L)
+    q, k, v = inputs(2, 8, 2, L, T, 64, dtype, seed=sum(cuts) + L)
+    batch = Batch.ragged([[0] * L] * 2, [key_start + T - L, key_start + T - L - 7])
     kw = dict(key_start=key_start, scale=0.125, window=window, softcap=softcap)
     one = attention(q, k, v, batch, **kw)
-    prefix = (k[:, :, :cut], v[:, :, :cut])
-    two = attention(q, own_k[:, :, : T - cut], own_v[:, :, : T - cut], batch, prefix=prefix, **kw)
-    assert torch.equal(one, two)
+    *prefix, (own_k, own_v) = segmented(k, v, list(cuts), seed=len(cuts))
+    many = attention(q, own_k, own_v, batch, prefix=prefix, **kw)
+    assert torch.equal(one, many)
 
 
 def test_split_buffers_are_joined_where_the_kernel_does_not_run(monkeypatch):
@@ -113,6 +126,6 @@ def test_split_buffers_are_joined_where_the_kernel_does_not_run(monkeypatch):
     q, k, v = inputs(1, 4, 2, 30, 130, 32, torch.float32, seed=9)
     batch = Batch.single([0] * 30, offset=100)
     one = attention(q, k, v, batch, key_start=0, scale=0.2)
-    prefix = (k[:, :, :64], v[:, :, :64])
-    two = attention(q, k[:, :, 64:], v[:, :, 64:], batch, key_start=0, scale=0.2, prefix=prefix)
-    assert torch.equal(one, two)
+    prefix = [(k[:, :, :40], v[:, :, :40]), (k[:, :, 40:64], v[:, :, 40:64])]
+    many = attention(q, k[:, :, 64:], v[:, :, 64:], batch, key_start=0, scale=0.2, prefix=prefix)
+    assert torch.equal(one, many)

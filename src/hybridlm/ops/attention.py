@@ -10,14 +10,15 @@ with an online softmax. SDPA's result for a query row also depends on how many r
 call (in bf16 ~20% of rows differed between a 9-row masked call and one-row calls), so a verify
 pass would not compute what decoding computes, and speculative greedy output would drift.
 
-Keys / values may come in two pieces, a read-only `prefix` shared between sequences (copy-on-write,
-`cache/kv.py`) then the sequence's own rows: the kernel walks both as one buffer (same keys, same
-order, same bits); every other path attends over their concatenation.
+Keys / values may come in pieces, read-only `prefix` segments shared between sequences (copy-on-
+write, `cache/kv.py`) then the sequence's own rows: the kernel walks them as one buffer (same keys,
+same order, same bits); every other path attends over their concatenation.
 """
 
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +32,9 @@ KERNEL = NativeKernel(
     "attention",
     "attention.c",
     "hybridlm_attention",
-    [ctypes.c_void_p] * 7 + [_i64] * 25 + [ctypes.c_float, ctypes.c_float, ctypes.c_int, ctypes.c_int],
+    [ctypes.c_void_p, ctypes.c_void_p, _i64, ctypes.c_void_p, ctypes.c_void_p]
+    + [_i64] * 12
+    + [ctypes.c_float, ctypes.c_float, ctypes.c_int, ctypes.c_int],
     ctypes.c_int,
     fallback="scaled_dot_product_attention",
 )
@@ -43,13 +46,14 @@ KEY_BLOCK = 64
 def _kernel_attention(q, k, v, batch, key_start, scale, window, softcap, prefix) -> torch.Tensor | None:
     """`attention` by the C kernel, or None where it does not apply."""
     B, Hq, L, D = q.shape
-    pk, pv = prefix if prefix is not None else (k, v)
+    segments = [*prefix, (k, v)]
     if not (
         L <= KERNEL_MAX_QUERIES
         and q.is_cpu
         and q.dtype in (torch.bfloat16, torch.float32)
-        and k.dtype is v.dtype is pk.dtype is pv.dtype is q.dtype
-        and q.stride(-1) == k.stride(-1) == v.stride(-1) == pk.stride(-1) == pv.stride(-1) == 1
+        and all(sk.dtype is sv.dtype is q.dtype for sk, sv in segments)
+        and q.stride(-1) == 1
+        and all(sk.stride(-1) == sv.stride(-1) == 1 for sk, sv in segments)
         and not torch.compiler.is_compiling()
         and not (torch.is_grad_enabled() and q.requires_grad)
     ):
@@ -57,14 +61,17 @@ def _kernel_attention(q, k, v, batch, key_start, scale, window, softcap, prefix)
     fn = KERNEL.get()
     if fn is None:
         return None
-    P = 0 if prefix is None else pk.shape[2]
-    Hkv, T, Dv = k.shape[1], P + k.shape[2], v.shape[-1]
+    Hkv, Dv = k.shape[1], v.shape[-1]
+    table, end = [], 0  # the kernel's segment table (csrc/attention.c, SEG_FIELDS per segment)
+    for sk, sv in segments:
+        end += sk.shape[2]
+        table += [sk.data_ptr(), sv.data_ptr(), end, *sk.stride()[:3], *sv.stride()[:3]]
+    seg = torch.tensor(table, dtype=torch.int64)
     out = torch.empty(B, Hq, L, Dv, dtype=q.dtype)
     qpos = batch.positions().to(torch.int64).contiguous()
-    fn(q.data_ptr(), pk.data_ptr(), pv.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
-                qpos.data_ptr(), B, Hq, Hkv, L, T, P, D, Dv, *q.stride()[:3], *pk.stride()[:3],
-                *pv.stride()[:3], *k.stride()[:3], *v.stride()[:3], key_start, window or 0,
-                scale, softcap or 0.0, int(q.dtype is torch.bfloat16), torch.get_num_threads())
+    fn(q.data_ptr(), seg.data_ptr(), len(segments), out.data_ptr(), qpos.data_ptr(), B, Hq, Hkv, L, end, D,
+       Dv, *q.stride()[:3], key_start, window or 0, scale, softcap or 0.0, int(q.dtype is torch.bfloat16),
+       torch.get_num_threads())
     return out
 
 
@@ -100,13 +107,14 @@ def attention(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
-    prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
+    prefix: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
 ) -> torch.Tensor:
     """Causal (optionally windowed) GQA attention.
 
     q: [B, Hq, L, D] at positions `batch.positions()`; k, v: [B, Hkv, T, D] holding absolute
-    positions [key_start, key_start + T), or, with `prefix` = (keys, values) [B, Hkv, P, D],
-    positions [key_start + P, key_start + P + T) after the prefix's [key_start, key_start + P).
+    positions [key_start, key_start + T), or, with `prefix` segments (keys, values) [B, Hkv, P_i, D]
+    (in order, P = ΣP_i), positions [key_start + P, key_start + P + T) after the segments'
+    [key_start, key_start + P).
     Returns [B, Hq, L, Dv] in q's dtype. Padded query rows produce finite values that callers
     discard; padded keys are never visible to real queries because they lie after every real query
     of their row.
@@ -114,8 +122,9 @@ def attention(
     out = _kernel_attention(q, k, v, batch, key_start, scale, window, softcap, prefix)
     if out is not None:
         return out
-    if prefix is not None:  # SDPA and the soft-cap path read one buffer: a transient concatenation
-        k, v = torch.cat([prefix[0], k], dim=2), torch.cat([prefix[1], v], dim=2)
+    if prefix:  # SDPA and the soft-cap path read one buffer: a transient concatenation
+        k = torch.cat([pk for pk, _ in prefix] + [k], dim=2)
+        v = torch.cat([pv for _, pv in prefix] + [v], dim=2)
     mask = _mask(batch, key_start, k.shape[2], window)
     if softcap is None:
         gqa = q.shape[1] != k.shape[1]

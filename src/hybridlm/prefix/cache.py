@@ -268,6 +268,8 @@ class PrefixCache:
         for cache in caches:
             if cache is not None:
                 cache.record = True
+                if isinstance(cache, KVCache):
+                    cache.shares_restores = True  # sessions restoring one node read its rows once
         slot = Slot(caches)
         stateful = [c for c in caches if c is not None]
         if stateful:  # the first stateful layer is reached first in every forward

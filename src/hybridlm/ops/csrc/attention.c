@@ -1,5 +1,6 @@
 #include "bf16.h"
 #include <math.h>
+#include <stdint.h>
 #include <stdlib.h>
 
 #define KB 64  /* keys per block, aligned to absolute positions */
@@ -46,21 +47,33 @@ static inline void axpy(float* y, float a, const void* x, int64_t D, int bf16) {
     for (; i < D; i++) y[i] += a * load(x, i, bf16);
 }
 
-/* q [B, Hq, L, D]; the keys / values are two buffers read as one: pk [B, Hkv, P, D], pv [B, Hkv, P, Dv]
-   (a read-only shared prefix; P may be 0) then k [B, Hkv, T - P, D], v [B, Hkv, T - P, Dv] (strides
-   in elements, last dim contiguous); out [B, Hq, L, Dv] contiguous; qpos [B, L] absolute query
-   positions; key row j (0 <= j < T, counted across both buffers) holds position key_start + j. A query
-   at p sees keys at positions in [p - window + 1, p] (window 0: [0, p]). Only a key's address depends
-   on which buffer holds it, never the arithmetic or its order: the result is the same bits wherever
-   the buffers are split. Returns 0, or -1 when out of memory. */
-int hybridlm_attention(const void* q, const void* pk, const void* pv, const void* k, const void* v,
-                       void* out, const int64_t* qpos,
-                       int64_t B, int64_t Hq, int64_t Hkv, int64_t L, int64_t T, int64_t P, int64_t D,
-                       int64_t Dv, int64_t q_sb, int64_t q_sh, int64_t q_sl, int64_t pk_sb, int64_t pk_sh,
-                       int64_t pk_st, int64_t pv_sb, int64_t pv_sh, int64_t pv_st, int64_t k_sb,
-                       int64_t k_sh, int64_t k_st, int64_t v_sb, int64_t v_sh, int64_t v_st,
-                       int64_t key_start, int64_t window, float scale, float softcap, int is_bf16,
-                       int nthreads) {
+/* The segment table: per segment SEG_FIELDS int64 fields, k and v addresses, the end of its key rows
+   (counted across the segments), then the strides (batch, head, row) of k and of v in elements. */
+enum { SEG_K, SEG_V, SEG_END, SEG_KST, SEG_VST = SEG_KST + 3, SEG_FIELDS = SEG_VST + 3 };
+
+/* The address of key (which = SEG_K) or value (SEG_V) row jj (0 <= jj < T) of batch b, kv head g:
+   segment *s (a cursor, moved to the segment holding jj) holds rows [end of *s - 1, end of *s). */
+static inline const char* seg_row(const int64_t* seg, int64_t nseg, int* s, int which, int64_t b,
+                                  int64_t g, int64_t jj, size_t es) {
+    while (*s > 0 && jj < seg[(*s - 1) * SEG_FIELDS + SEG_END]) (*s)--;
+    while (*s < nseg - 1 && jj >= seg[*s * SEG_FIELDS + SEG_END]) (*s)++;
+    const int64_t* t = seg + *s * SEG_FIELDS;
+    const int64_t row = jj - (*s > 0 ? t[SEG_END - SEG_FIELDS] : 0);
+    const int64_t* st = t + (which == SEG_K ? SEG_KST : SEG_VST);
+    return (const char*)(intptr_t)t[which] + (b * st[0] + g * st[1] + row * st[2]) * es;
+}
+
+/* q [B, Hq, L, D]; the keys / values are nseg buffers read as one (`seg`, above): segment i holds key
+   rows [end_{i-1}, end_i) (end_{-1} = 0, end_{nseg-1} = T) as k [B, Hkv, n_i, D], v [B, Hkv, n_i, Dv],
+   last dim contiguous: read-only shared segments (copy-on-write) then the sequence's own rows. out
+   [B, Hq, L, Dv] contiguous; qpos [B, L] absolute query positions; key row j holds position
+   key_start + j. A query at p sees keys at positions in [p - window + 1, p] (window 0: [0, p]). Only a
+   key's address depends on which segment holds it, never the arithmetic or its order: the result is
+   the same bits however the rows are split into segments. Returns 0, or -1 when out of memory. */
+int hybridlm_attention(const void* q, const int64_t* seg, int64_t nseg, void* out, const int64_t* qpos,
+                       int64_t B, int64_t Hq, int64_t Hkv, int64_t L, int64_t T, int64_t D, int64_t Dv,
+                       int64_t q_sb, int64_t q_sh, int64_t q_sl, int64_t key_start, int64_t window,
+                       float scale, float softcap, int is_bf16, int nthreads) {
     const int64_t rep = Hq / Hkv, R = rep * L;
     const size_t es = is_bf16 ? 2 : 4;
     int failed = 0;
@@ -99,10 +112,9 @@ int hybridlm_attention(const void* q, const void* pk, const void* pv, const void
                 if (z > key_start + T - 1) z = key_start + T - 1;
                 if (a > z) continue;
                 float bm = -INFINITY;
+                int s = 0;
                 for (int64_t j = a; j <= z; j++) {
-                    const int64_t jj = j - key_start;
-                    const char* kj = jj < P ? (const char*)pk + (b * pk_sb + g * pk_sh + jj * pk_st) * es
-                                            : (const char*)k + (b * k_sb + g * k_sh + (jj - P) * k_st) * es;
+                    const char* kj = seg_row(seg, nseg, &s, SEG_K, b, g, j - key_start, es);
                     float s = dot(qf + r * D, kj, D, is_bf16) * scale;
                     if (softcap > 0.f) s = tanhf(s / softcap) * softcap;
                     sc[j - a] = s;
@@ -113,12 +125,11 @@ int hybridlm_attention(const void* q, const void* pk, const void* pv, const void
                 float* ar = acc + r * Dv;
                 for (int64_t i = 0; i < Dv; i++) ar[i] *= alpha;
                 l[r] *= alpha;
+                s = 0;
                 for (int64_t j = a; j <= z; j++) {
                     const float e = expf(sc[j - a] - mn);
                     l[r] += e;
-                    const int64_t jj = j - key_start;
-                    const char* vj = jj < P ? (const char*)pv + (b * pv_sb + g * pv_sh + jj * pv_st) * es
-                                            : (const char*)v + (b * v_sb + g * v_sh + (jj - P) * v_st) * es;
+                    const char* vj = seg_row(seg, nseg, &s, SEG_V, b, g, j - key_start, es);
                     axpy(ar, e, vj, Dv, is_bf16);
                 }
                 m[r] = mn;
