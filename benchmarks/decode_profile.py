@@ -1,6 +1,7 @@
 """Where a decode step's time goes: per-op wall time of single-token steps, beside the weight bytes.
 
     PYTHONPATH=src python benchmarks/decode_profile.py --preset qwen3.5-0.8b --quantize int4 --threads 2
+    PYTHONPATH=src python benchmarks/decode_profile.py --sequences 8 --context 512 --threads 2
 
 Each leaf op the layers call (every linear layer by shape, the causal conv, the gated delta scan,
 attention, rotary, the MLP activation, norms, the embedding) is timed around its call; "rest" is
@@ -8,12 +9,17 @@ the step's time outside them (the Python of the layers and blocks, residual adds
 bookkeeping, the logits' float conversion). A step with the timers is a little slower than one
 without (both printed). Linear rows show GB/s of the bytes they read (weights as stored, scales
 included), and the step's bandwidth limit is the read bandwidth ÷ all those bytes.
+
+With ``--sequences N`` a step is one `forward_packed` over N sequences, each with its own caches
+prefilled with its own ``--context`` tokens (at offsets ``context + i``, so no two are aligned), one
+decode row each: the engine's decode step at N running sequences.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import os
 import time
 
 import torch
@@ -23,13 +29,17 @@ from hybridlm.batch import Batch
 from hybridlm.bench.forward import preset_dir
 from hybridlm.bench.limits import memory_bandwidth_gbs
 from hybridlm.models import load_model
+from hybridlm.models.base import forward_packed
 from hybridlm.ops import norms
 from hybridlm.ops.linear import Linear
 from hybridlm.ops.quant import QuantLinear
 from hybridlm.ops.sampling import greedy
 
 # functions the layers module calls by its own global name: patched there
-LAYER_FUNCTIONS = ("causal_conv1d", "gated_delta_net_scan", "attention", "apply_rotary", "elementwise_rows")
+LAYER_FUNCTIONS = (
+    "causal_conv1d", "gated_delta_net_scan", "attention", "apply_rotary", "elementwise_rows",
+    "causal_conv1d_packed", "gated_delta_net_scan_packed", "attention_packed",
+)
 TIMED_MODULES = (
     Linear, QuantLinear, norms.RMSNorm, norms.OffsetRMSNorm, norms.GatedRMSNorm, torch.nn.Embedding,
 )
@@ -45,16 +55,24 @@ def label(module: torch.nn.Module) -> str:
     return type(module).__name__
 
 
-def steps(model, caches, logits, offset: int, count: int) -> tuple[list[float], torch.Tensor, int]:
-    """`count` greedy decode steps; (seconds of each forward, last logits, next offset)."""
+def steps(model, caches, logits, offsets: list[int], count: int) -> tuple[list[float], list, list[int]]:
+    """`count` greedy decode steps of every sequence (`caches[i]`, its `logits[i]` [1, V], at
+    `offsets[i]`): one forward for one sequence, one packed forward for several; (seconds of each
+    step, last logits, next offsets)."""
     times = []
     for _ in range(count):
-        token = int(greedy(logits)[0])
+        segments = [
+            Batch.single([int(greedy(x)[0])], offset=o, device=model.device)
+            for x, o in zip(logits, offsets, strict=True)
+        ]
         t0 = time.perf_counter()
-        logits = model(Batch.single([token], offset=offset, device=model.device), caches)
+        if len(caches) == 1:
+            logits = [model(segments[0], caches[0])]
+        else:
+            logits = forward_packed(model, segments, caches, ["last"] * len(caches))
         times.append(time.perf_counter() - t0)
-        offset += 1
-    return times, logits, offset
+        offsets = [o + 1 for o in offsets]
+    return times, logits, offsets
 
 
 def main() -> None:
@@ -64,15 +82,19 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--context", type=int, default=128, help="prefill tokens before the steps")
     p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--sequences", type=int, default=1, help="sequences packed into each step")
     args = p.parse_args()
 
     torch.set_num_threads(args.threads)
     model = load_model(preset_dir(args.preset), dtype=torch.bfloat16, quantize=args.quantize)
     bandwidth = memory_bandwidth_gbs()
-    caches = model.make_caches(1)
-    ids = torch.randint(0, model.vocab_size, (args.context,)).tolist()
-    logits = model(Batch.single(ids, device=model.device), caches)
-    plain, logits, offset = steps(model, caches, logits, args.context, args.steps + 3)
+    caches, logits, offsets = [], [], []
+    for i in range(args.sequences):
+        caches.append(model.make_caches(1))
+        ids = torch.randint(0, model.vocab_size, (args.context + i,)).tolist()
+        logits.append(model(Batch.single(ids, device=model.device), caches[-1]))
+        offsets.append(args.context + i)
+    plain, logits, offsets = steps(model, caches, logits, offsets, args.steps + 3)
     plain = sorted(plain[3:])
 
     spent: dict[str, float] = collections.defaultdict(float)
@@ -100,10 +122,10 @@ def main() -> None:
             module.forward = timed(name, module.forward)
             handles.append(module)
     try:
-        steps(model, caches, logits, offset, 3)
+        _, logits, offsets = steps(model, caches, logits, offsets, 3)
         spent.clear()
         calls.clear()
-        profiled, _, _ = steps(model, caches, logits, offset + 3, args.steps)
+        profiled, _, _ = steps(model, caches, logits, offsets, args.steps)
     finally:
         for name, fn in originals.items():
             setattr(layers_mod, name, fn)
@@ -113,8 +135,9 @@ def main() -> None:
     n = args.steps
     step = sum(profiled) / n
     total_bytes = sum(nbytes.values())
-    print(f"{args.preset} {args.quantize or 'bf16'}, {args.threads} threads, {args.context}-token context, "
-          f"read bandwidth {bandwidth:.1f} GB/s")
+    print(f"{args.preset} {args.quantize or 'bf16'}, {args.threads} threads, {args.sequences} sequence(s), "
+          f"{args.context}-token context, "
+          f"read bandwidth {bandwidth:.1f} GB/s, load {os.getloadavg()[0]:.2f}")
     print(f"step: {plain[len(plain) // 2] * 1e3:.2f} ms median without timers, {step * 1e3:.2f} ms mean "
           f"with; {total_bytes / 1e6:.1f} MB of linear weights a step: limit "
           f"{bandwidth * 1e9 / total_bytes:.1f} tok/s ({total_bytes / bandwidth / 1e6:.2f} ms)")

@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 from hybridlm.batch import Batch
 from hybridlm.bench.quality import DecodeRows, compare, sequences
 from hybridlm.models import CheckpointError, load_model
+from hybridlm.models.fused import unfused_modules
 from hybridlm.models.gptq import dequantize_gptq
 from hybridlm.models.quantized import save_quantized
 from hybridlm.ops.quant import QuantLinear
@@ -93,7 +94,8 @@ def test_a_gptq_checkpoint_loads_as_int4_layers_equal_to_its_dequantized_weights
     expected = write_gptq(source, tmp_path / "gptq", fmt)
     model = load_model(tmp_path / "gptq", torch.bfloat16, "cpu")
     assert model.quantization == {"scheme": "int4", "group_size": GROUP}
-    layers = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    # fused groups (models.fused) by their layers' names
+    layers = {n: m for n, m in unfused_modules(model).items() if isinstance(m, QuantLinear)}
     # checkpoint names ("model.layers...") are the implementation's for this family
     assert set(layers) == set(expected) and not isinstance(model.lm_head, QuantLinear)
     for name, layer in layers.items():

@@ -13,6 +13,7 @@ from hybridlm.batch import Batch
 from hybridlm.models import load_model
 from hybridlm.models.base import forward_packed
 from hybridlm.ops.linear import rowwise
+from hybridlm.ops.native import FEW_TOKENS
 
 # One checkpoint per family, and every Gemma 4 variant (per-layer inputs and KV-shared layers; k = v
 # without per-layer inputs; MoE beside the MLP; the multimodal layout's text model).
@@ -40,6 +41,12 @@ STEPS = [
     [(0, 1, "last"), (1, 1, "last"), (2, 1, "last"), (3, 1, "last")],
 ]
 
+# A step with segments longer than FEW_TOKENS (prefill-chunk sized) beside decode rows: they run their
+# mixers one by one while the decode rows share the packed kernels (`layers.per_segment`).
+MIXED_STEP = [(1, 1, "last"), (0, 30, "last"), (3, 1, "last"), (2, 18, "all")]
+# The families whose mixers have packed kernels (`Attention`, `GatedDeltaNet`, LFM2's `ShortConv`).
+PACKED_MIXERS = ["qwen3_5_text", "qwen3_next", "lfm2", "gemma3_text", "dense_llama"]
+
 
 def tokens(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(1, 500) for _ in range(n)]
@@ -55,9 +62,21 @@ def test_each_packed_segment_equals_its_own_forward_bitwise(checkpoints, name, d
     bf16: the alone forward is the plain one (the per-token kernels compute up to FEW_TOKENS rows
     each as alone). float32 linears take MKL's GEMM, whose rounding depends on the row count, so
     there the alone forward runs under `rowwise()` too (each row as a one-row call)."""
+    check_steps(checkpoints, name, dtype, STEPS)
+
+
+@pytest.mark.parametrize("name", PACKED_MIXERS)
+def test_long_segments_beside_decode_rows_equal_their_own_forwards_bitwise(checkpoints, name):
+    """Segments of 30 and 18 rows packed between decode rows (the long ones take the one-by-one path
+    inside the packed forward, the decode rows the packed kernels) equal their own forwards bit for
+    bit; the long ones alone run under `rowwise()`, as packed rows do (the engine never packs a
+    prefill chunk: it runs alone)."""
+    check_steps(checkpoints, name, torch.bfloat16, [MIXED_STEP, STEPS[-1]])
+
+
+def check_steps(checkpoints, name, dtype, steps):
     model = load_model(checkpoints(name).path, dtype=dtype, device="cpu")
     assert model.packs
-    alone_ctx = rowwise if dtype == torch.float32 else nullcontext
     rng = random.Random(7)
     prompts = [tokens(rng, n) for n in PROMPTS]
     alone = [model.make_caches(1) for _ in prompts]
@@ -66,12 +85,13 @@ def test_each_packed_segment_equals_its_own_forward_bitwise(checkpoints, name, d
     for ids, a, p in zip(prompts, alone, packed, strict=True):
         model(Batch.single(ids), a)
         model(Batch.single(ids), p)
-    for step in STEPS:
+    for step in steps:
         pieces = [(i, tokens(rng, n), rows) for i, n, rows in step]
         segments = [Batch.single(ids, offset=offsets[i]) for i, ids, _ in pieces]
         got = forward_packed(model, segments, [packed[i] for i, _, _ in pieces], [r for _, _, r in pieces])
         for (i, ids, rows), g in zip(pieces, got, strict=True):
-            with alone_ctx():
+            plain = dtype == torch.bfloat16 and len(ids) <= FEW_TOKENS
+            with nullcontext() if plain else rowwise():
                 want = model(Batch.single(ids, offset=offsets[i]), alone[i], logits=rows)
             want = want if rows == "last" else want[0]
             assert g.shape == want.shape and g.dtype == want.dtype

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from hybridlm.batch import Batch
+from hybridlm.batch import Batch, Packed
+from hybridlm.cache.kv import AttentionHistory
 from hybridlm.ops import attention as attention_mod
-from hybridlm.ops.attention import KERNEL_MAX_QUERIES, KEY_BLOCK, attention
+from hybridlm.ops.attention import KERNEL_MAX_QUERIES, KEY_BLOCK, attention, attention_packed
 
 needs_kernel = pytest.mark.skipif(attention_mod.KERNEL.get() is None, reason="attention kernel not built")
 
@@ -129,3 +132,57 @@ def test_split_buffers_are_joined_where_the_kernel_does_not_run(monkeypatch):
     prefix = [(k[:, :, :40], v[:, :, :40]), (k[:, :, 40:64], v[:, :, 40:64])]
     many = attention(q, k[:, :, 64:], v[:, :, 64:], batch, key_start=0, scale=0.2, prefix=prefix)
     assert torch.equal(one, many)
+
+
+@needs_kernel
+@settings(deadline=None, max_examples=30)
+@given(
+    n_seq=st.integers(1, 5),
+    dtype=st.sampled_from([torch.bfloat16, torch.float32]),
+    softcap=st.sampled_from([None, 20.0]),
+    data=st.data(),
+)
+def test_property_packed_attention_equals_each_sequence_alone_bitwise(n_seq, dtype, softcap, data):
+    """Several sequences' queries (1 to KERNEL_MAX_QUERIES each) packed in one call, each over its own
+    keys / values (a view into a larger buffer, at its own key_start, maybe after shared segments
+    cut anywhere, maybe windowed): each sequence's output equals, bit for bit, its own `attention`
+    call, and lies within float64-reference tolerance."""
+    Hq, Hkv, D = 4, 2, 32
+    g = torch.Generator().manual_seed(n_seq)
+    hists, lens, positions, qs = [], [], [], []
+    for _ in range(n_seq):
+        L = data.draw(st.integers(1, KERNEL_MAX_QUERIES), label="queries")
+        T = data.draw(st.integers(L, 150), label="keys")
+        cuts = sorted(data.draw(st.lists(st.integers(0, T - L), max_size=3), label="segment cuts"))
+        key_start = data.draw(st.integers(0, 70), label="key_start")
+        window = data.draw(st.sampled_from([None, 8, 64]), label="window")
+        keys = torch.randn(1, Hkv, T + 5, D, generator=g).to(dtype)
+        values = torch.randn(1, Hkv, T + 5, D, generator=g).to(dtype)
+        bounds = [0, *cuts, T]
+        pieces = [(keys[:, :, a:b], values[:, :, a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
+        *prefix, (own_k, own_v) = pieces
+        hists.append(AttentionHistory(own_k, own_v, key_start, window, tuple(prefix)))
+        lens.append(L)
+        positions.append(key_start + T - L)
+        qs.append(torch.randn(1, Hq, L, D, generator=g).to(dtype))
+    starts = [sum(lens[:i]) for i in range(n_seq)]
+    batch = Packed([Batch.single([0] * n, offset=p) for n, p in zip(lens, positions, strict=True)])
+    q = torch.cat(qs, dim=2)
+    out = attention_packed(q, hists, starts, lens, batch.positions(), scale=D**-0.5, softcap=softcap)
+    for i, (h, lo, n) in enumerate(zip(hists, starts, lens, strict=True)):
+        alone = Batch.single([0] * n, offset=positions[i])
+        want = attention(qs[i], h.keys, h.values, alone, key_start=h.key_start, scale=D**-0.5,
+                         window=h.window, softcap=softcap, prefix=h.prefix)
+        assert torch.equal(out[:, :, lo : lo + n], want)
+        keys = torch.cat([k for k, _ in h.prefix] + [h.keys], dim=2)
+        values = torch.cat([v for _, v in h.prefix] + [h.values], dim=2)
+        ref = reference(qs[i], keys, values, alone, h.key_start, D**-0.5, h.window, softcap)
+        tol = 1e-5 if dtype is torch.float32 else 2e-2
+        torch.testing.assert_close(want.double(), ref, atol=tol, rtol=tol)
+
+
+def test_packed_attention_declines_what_its_kernel_cannot_run():
+    q, k, v = inputs(1, 4, 2, KERNEL_MAX_QUERIES + 1, 40, 32, torch.float32)
+    batch = Packed([Batch.single([0] * q.shape[2], offset=39 - q.shape[2])])
+    hist = AttentionHistory(k, v, 0, None)
+    assert attention_packed(q, [hist], [0], [q.shape[2]], batch.positions(), scale=1.0) is None

@@ -205,3 +205,45 @@ def test_fused_short_conv_equals_the_torch_path(monkeypatch, dtype, L):
     torch.testing.assert_close(got[0], want[0], **tol)
     assert torch.equal(got[1], want[1])
     assert len(got[2]) == 3 and all(torch.equal(g, e) for g, e in zip(got[2], want[2], strict=True))
+
+
+@pytest.mark.skipif(conv_mod.CONV_PACKED_KERNEL.get() is None, reason="conv kernel could not be built")
+@settings(deadline=None, max_examples=30)
+@given(
+    lens=st.lists(st.integers(1, conv_mod.FUSED_MAX_LEN), min_size=1, max_size=5),
+    K=st.integers(2, 5),
+    dtype=st.sampled_from([torch.bfloat16, torch.float32]),
+    bias=st.booleans(),
+    activation=st.sampled_from([None, "silu"]),
+    data=st.data(),
+)
+def test_property_packed_conv_equals_each_sequence_alone_bitwise(lens, K, dtype, bias, activation, data):
+    """Ragged sequences (1 to FUSED_MAX_LEN tokens, their own priors and split points, unused rows
+    between them) convolved in one packed call: each sequence's outputs, tail and boundary tails
+    equal, bit for bit, those of its own `causal_conv1d` call."""
+    C = 40
+    gaps = data.draw(st.lists(st.integers(0, 2), min_size=len(lens), max_size=len(lens)), label="gaps")
+    splits = [sorted(data.draw(st.lists(st.integers(0, n), max_size=3), label="splits")) for n in lens]
+    starts, end = [], 0
+    for n, gap in zip(lens, gaps, strict=True):
+        starts.append(end + gap)
+        end += gap + n
+    x, w, b, _ = make_inputs(1, end, C, K, dtype=dtype, bias=bias, seed=end)
+    priors = [make_inputs(1, 1, C, K, dtype=dtype, seed=100 + i)[3] for i in range(len(lens))]
+    out, tails, bounds = conv_mod.causal_conv1d_packed(
+        x, w, b, priors, starts, lens, splits, activation=activation
+    )
+    assert out.shape == x.shape
+    for i, (lo, n) in enumerate(zip(starts, lens, strict=True)):
+        want, want_tail, want_bounds = causal_conv1d(
+            x[:, lo : lo + n], w, b, priors[i], activation=activation, splits=splits[i]
+        )
+        assert torch.equal(out[:, lo : lo + n], want)
+        assert torch.equal(tails[i], want_tail)
+        assert all(torch.equal(g, e) for g, e in zip(bounds[i], want_bounds, strict=True))
+
+
+def test_packed_conv_declines_what_its_kernel_cannot_run():
+    x, w, b, prior = make_inputs(1, conv_mod.FUSED_MAX_LEN + 1, 8, 4)
+    assert conv_mod.causal_conv1d_packed(x, w, b, [prior], [0], [x.shape[1]], [[]]) is None
+    assert conv_mod.causal_conv1d_packed(x, w, b, [prior.double()], [0], [1], [[]]) is None

@@ -18,6 +18,7 @@ from hybridlm.ops.gated_delta import (
     GDN_KERNEL,
     _composed_scan,
     gated_delta_net_scan,
+    gated_delta_net_scan_packed,
     gated_delta_rule,
 )
 
@@ -366,3 +367,48 @@ def test_empty_or_too_long_inputs_and_a_missing_kernel_use_the_composed_ops(monk
 
 def _no_kernel():
     raise AssertionError("the fused kernel was asked for")
+
+
+# gated_delta_net_scan_packed: the scans of several sequences packed end to end in one call.
+
+
+@needs_fused
+@settings(deadline=None, max_examples=25)
+@given(
+    lens=st.lists(st.integers(1, FUSED_MAX_LEN), min_size=1, max_size=5),
+    dtype=st.sampled_from([torch.bfloat16, torch.float32]),
+    data=st.data(),
+)
+def test_property_packed_scan_equals_each_sequence_alone_bitwise(lens, dtype, data):
+    """Ragged sequences (1 to 64 tokens, their own states and split points) scanned in one packed call
+    (with unused rows between them) give each sequence's output, final state and boundary states bit
+    for bit as its own call does."""
+    heads = Hk, Hv, Dk, Dv = 2, 4, 32, 48  # Dv = 48: a full column block and a partial one
+    gaps = data.draw(st.lists(st.integers(0, 2), min_size=len(lens), max_size=len(lens)), label="gaps")
+    splits = [sorted(data.draw(st.lists(st.integers(0, n), max_size=3), label="splits")) for n in lens]
+    starts, end = [], 0
+    for n, gap in zip(lens, gaps, strict=True):
+        starts.append(end + gap)
+        end += gap + n
+    x, ab, A_log, dt_bias, _ = gdn_inputs(1, end, Hk, Hv, Dk, Dv, dtype, seed=end)
+    states = [gdn_inputs(1, 1, Hk, Hv, Dk, Dv, dtype, seed=100 + i)[4] for i in range(len(lens))]
+    packed_states = [s.clone() for s in states]
+    o, bounds = gated_delta_net_scan_packed(
+        x, ab, A_log, dt_bias, packed_states, starts, lens, splits, k_heads=Hk, k_dim=Dk, v_heads=Hv, v_dim=Dv
+    )
+    assert o.shape == (1, end, Hv, Dv)
+    for i, (lo, n) in enumerate(zip(starts, lens, strict=True)):
+        rows = (x[:, lo : lo + n], ab[:, lo : lo + n], A_log, dt_bias, states[i])
+        want_o, want_state, want_bounds = gdn_scan(rows, heads, fused=True, splits=splits[i], inplace=True)
+        assert torch.equal(o[:, lo : lo + n], want_o)
+        assert torch.equal(packed_states[i], want_state)
+        assert all(torch.equal(b, w) for b, w in zip(bounds[i], want_bounds, strict=True))
+
+
+def test_packed_scan_declines_what_its_kernel_cannot_run():
+    x, ab, A_log, dt_bias, state = gdn_inputs(1, 3, 1, 2, 8, 8, torch.bfloat16)
+    kw = dict(k_heads=1, k_dim=8, v_heads=2, v_dim=8)
+    too_long = gdn_inputs(1, FUSED_MAX_LEN + 1, 1, 2, 8, 8, torch.bfloat16)
+    assert gated_delta_net_scan_packed(*too_long[:4], [state], [0], [FUSED_MAX_LEN + 1], [[]], **kw) is None
+    strided = torch.zeros(1, 2, 8, 16)[..., ::2]
+    assert gated_delta_net_scan_packed(x, ab, A_log, dt_bias, [strided], [0], [3], [[]], **kw) is None

@@ -250,3 +250,28 @@ def test_the_portable_kernels_built_without_avx512_agree_with_the_reference(sche
         w, s = q.qweight.data_ptr(), q.scales.data_ptr()
         lib.hybridlm_dequant_int4(w, s, fp16, wt.data_ptr(), 16, 37, 37, 256, q.group_size, 1)
         assert torch.equal(wt.T, q.dequantized(torch.bfloat16)[16:37])
+
+
+@needs_kernels
+@pytest.mark.parametrize("scheme", KERNEL_SCHEMES)
+@pytest.mark.parametrize("rows", [1, 3, FEW_TOKENS, 40])
+def test_concatenated_layers_compute_each_output_as_the_separate_layers_do(scheme, rows):
+    """Sizes off the 16-row panels (int4 panels re-cut at the joins); decode rows bit for bit,
+    integer prefill rows too (exact integer sums); `split` gives back the very same tensors."""
+    sizes = [40, 7, 16, 9]
+    layers = [_quantized(_layer(n, 128, bias=True, seed=i), scheme) for i, n in enumerate(sizes)]
+    joined = QuantLinear.concat(layers)
+    assert joined.out_features == sum(sizes) and joined.scales.dtype == layers[0].scales.dtype
+    x = _x(rows, 128)
+    want = torch.cat([q(x) for q in layers], dim=-1)
+    assert torch.equal(joined(x), want)
+    for part, q in zip(joined.split(sizes), layers, strict=True):
+        for name in ("qweight", "scales", "bias"):
+            assert torch.equal(getattr(part, name), getattr(q, name)), name
+
+
+def test_layers_of_different_kinds_do_not_concatenate():
+    with pytest.raises(ValueError, match="different"):
+        QuantLinear.concat([_quantized(_layer(16, 128, False), s) for s in ("int8", "int4")])
+    with pytest.raises(ValueError, match="add up"):
+        _quantized(_layer(16, 128, False), "int8").split([8, 9])

@@ -5,17 +5,20 @@ Attribute names follow the Hugging Face checkpoints (families remap where theirs
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from hybridlm.batch import Batch, Packed
 from hybridlm.cache import KVCache, RecurrentCache, SlidingKVCache
-from hybridlm.ops.attention import attention
-from hybridlm.ops.conv import causal_conv1d
+from hybridlm.ops.attention import attention, attention_packed
+from hybridlm.ops.conv import causal_conv1d, causal_conv1d_packed
 from hybridlm.ops.elementwise import elementwise_rows
-from hybridlm.ops.gated_delta import FUSED_MAX_LEN, gated_delta_net_scan
+from hybridlm.ops.gated_delta import FUSED_MAX_LEN, gated_delta_net_scan, gated_delta_net_scan_packed
 from hybridlm.ops.linear import Linear
+from hybridlm.ops.native import FEW_TOKENS
 from hybridlm.ops.norms import GatedRMSNorm
 from hybridlm.ops.rope import Rotary, apply_rotary
 
@@ -38,22 +41,47 @@ def rope_tables(batch: Batch, rotary: Rotary, dtype: torch.dtype) -> tuple[torch
     return batch.memoize(("rope", id(rotary), dtype), lambda: rotary.cos_sin(batch.positions(), dtype))
 
 
-def per_segment(batch: Batch, cache, run, *rows: torch.Tensor, dim: int = 1):
+def per_segment(batch: Batch, cache, run, *rows: torch.Tensor, dim: int = 1, packed=None):
     """`run(batch, cache, *rows)` for a plain batch; for a `Packed` one, per segment on its own cache
     (`cache` is then the list of the segments' caches) with `rows` cut to its bounds along `dim`,
-    the results joined along `dim`."""
+    the results joined along `dim`.
+
+    With `packed`, the decode and verify segments (1 to FEW_TOKENS rows: `few_segments`) run in one
+    call `packed(few, *rows)`, which advances each of their caches and returns the packed result
+    with their rows set; the other segments (prefill chunks) still run one by one into the rest."""
     if not isinstance(batch, Packed):
         return run(batch, cache, *rows)
-    outs = [
-        run(seg, c, *(r.narrow(dim, lo, hi - lo) for r in rows))
-        for seg, c, (lo, hi) in zip(batch.segments, cache, batch.bounds, strict=True)
-    ]
-    return torch.cat(outs, dim=dim)
+    few = few_segments(batch) if packed is not None else []
+    out = packed(few, *rows) if few else None
+    outs = []
+    for i, (seg, c, (lo, hi)) in enumerate(zip(batch.segments, cache, batch.bounds, strict=True)):
+        if out is not None and i in few:
+            continue
+        y = run(seg, c, *(r.narrow(dim, lo, hi - lo) for r in rows))
+        if out is None:
+            outs.append(y)
+        else:
+            out.narrow(dim, lo, hi - lo).copy_(y)
+    return torch.cat(outs, dim=dim) if out is None else out
+
+
+def few_segments(batch: Packed) -> list[int]:
+    """Indices of the segments the packed mixer kernels take: 1 to FEW_TOKENS rows (decode and
+    verify rows), the lengths at which every per-token kernel computes a row as a one-sequence call
+    does, so running them together changes no bit of any sequence."""
+    return [i for i, (lo, hi) in enumerate(batch.bounds) if 0 < hi - lo <= FEW_TOKENS]
+
+
+def segment_rows(batch: Packed, few: list[int]) -> tuple[list[int], list[int]]:
+    """(starts, lengths) of segments `few` in the packed rows."""
+    return [batch.bounds[i][0] for i in few], [batch.bounds[i][1] - batch.bounds[i][0] for i in few]
 
 
 class Attention(nn.Module):
     """Multi-head GQA attention with optional per-head q/k norm, output gate (Qwen3.5: q_proj
     yields query and gate), partial rotary, sliding window and logit soft-capping."""
+
+    FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj")}  # see models.fused
 
     def __init__(
         self,
@@ -80,6 +108,7 @@ class Attention(nn.Module):
         self.k_proj = Linear(hidden, kv_heads * head_dim, bias=bias)
         self.v_proj = Linear(hidden, kv_heads * head_dim, bias=bias)
         self.o_proj = Linear(heads * head_dim, hidden, bias=bias)
+        self.qkv_proj = None
         if qk_norm is not None:
             self.q_norm = qk_norm(head_dim, eps=eps)
             self.k_norm = qk_norm(head_dim, eps=eps)
@@ -91,21 +120,25 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: Batch, cache: KVCache) -> torch.Tensor:
         b, length, _ = x.shape
-        q = self.q_proj(x)
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(x)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         gate = None
         if self.gated:
             q, gate = q.view(b, length, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
             gate = gate.reshape(b, length, -1)
         else:
             q = q.view(b, length, self.heads, self.head_dim)
-        k = self.k_proj(x).view(b, length, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, length, self.kv_heads, self.head_dim)
+        k = k.view(b, length, self.kv_heads, self.head_dim)
+        v = v.view(b, length, self.kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         cos, sin = rope_tables(batch, self.rotary, q.dtype)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        o = per_segment(batch, cache, self.attend, q, k, v, dim=2)
+        packed = partial(self.attend_packed, batch, cache)
+        o = per_segment(batch, cache, self.attend, q, k, v, dim=2, packed=packed)
         o = o.transpose(1, 2).reshape(b, length, -1)
         if gate is not None:
             o = o * elementwise_rows(torch.sigmoid, gate)
@@ -113,7 +146,28 @@ class Attention(nn.Module):
 
     def attend(self, batch: Batch, cache: KVCache, q, k, v) -> torch.Tensor:
         """q [B, Hq, L, D], k/v [B, Hkv, L, D] of this forward -> [B, Hq, L, D], after `cache` took k/v."""
-        hist = cache.update(batch, k, v)
+        return self.attend_history(batch, cache.update(batch, k, v), q)
+
+    def attend_packed(self, batch: Packed, caches: list[KVCache], few: list[int], q, k, v) -> torch.Tensor:
+        """Segments `few` of a packed batch (q [1, Hq, T, D], k/v [1, Hkv, T, D]): each cache takes
+        its segment's k/v, then one kernel call attends every segment over its own history ->
+        [1, Hq, T, D] with their rows set."""
+        starts, lens = segment_rows(batch, few)
+        hists = [
+            caches[i].update(batch.segments[i], k.narrow(2, lo, n), v.narrow(2, lo, n))
+            for i, lo, n in zip(few, starts, lens, strict=True)
+        ]
+        out = attention_packed(
+            q, hists, starts, lens, batch.positions(), scale=self.scale, softcap=self.softcap
+        )
+        if out is None:
+            out = q.new_empty(q.shape)
+            for i, lo, n, hist in zip(few, starts, lens, hists, strict=True):
+                out.narrow(2, lo, n).copy_(self.attend_history(batch.segments[i], hist, q.narrow(2, lo, n)))
+        return out
+
+    def attend_history(self, batch: Batch, hist, q) -> torch.Tensor:
+        """q [B, Hq, L, D] over `hist` (the cache's `AttentionHistory` after this forward's k/v)."""
         return attention(
             q,
             hist.keys,
@@ -130,15 +184,22 @@ class Attention(nn.Module):
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x))."""
 
+    FUSED = {"gate_up": ("gate_proj", "up_proj")}  # see models.fused
+
     def __init__(self, hidden: int, intermediate: int, act: str = "silu", bias: bool = False):
         super().__init__()
         self.gate_proj = Linear(hidden, intermediate, bias=bias)
         self.up_proj = Linear(hidden, intermediate, bias=bias)
         self.down_proj = Linear(intermediate, hidden, bias=bias)
+        self.gate_up = None
         self.act = ACTIVATIONS[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(elementwise_rows(self.act, self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up is not None:
+            gate, up = self.gate_up(x)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(elementwise_rows(self.act, gate) * up)
 
 
 class GatedDeltaNet(nn.Module):
@@ -147,6 +208,8 @@ class GatedDeltaNet(nn.Module):
     Scan inputs (what `RecurrentCache` logs for replay): the pre-conv projection [B, L, conv_dim]
     and the raw gate projections a‖b [B, L, 2·Hv]; everything after them is `mix`.
     """
+
+    FUSED = {"in_proj": ("in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b")}  # see models.fused
 
     def __init__(self, hidden, k_heads, v_heads, k_dim, v_dim, conv_kernel, eps=1e-6):
         super().__init__()
@@ -158,6 +221,7 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_z = Linear(hidden, self.value_dim, bias=False)
         self.in_proj_b = Linear(hidden, v_heads, bias=False)
         self.in_proj_a = Linear(hidden, v_heads, bias=False)
+        self.in_proj = None
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, conv_kernel, groups=self.conv_dim, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(v_heads))
         self.A_log = nn.Parameter(torch.zeros(v_heads))
@@ -209,17 +273,24 @@ class GatedDeltaNet(nn.Module):
         mask = batch.token_mask()
         if mask is not None:
             x = x * mask[..., None].to(x.dtype)
-        qkv = self.in_proj_qkv(x)
-        ab = torch.cat([self.in_proj_a(x), self.in_proj_b(x)], dim=-1)
-        o = per_segment(batch, cache, self.scan, qkv, ab)
-        z = self.in_proj_z(x).view(b, length, self.v_heads, self.v_dim)
+        if self.in_proj is not None:
+            qkv, z, a, b_ = self.in_proj(x)
+        else:
+            qkv, z, a, b_ = self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_a(x), self.in_proj_b(x)
+        ab = torch.cat([a, b_], dim=-1)
+        packed = partial(self.scan_packed, batch, cache)
+        o = per_segment(batch, cache, self.scan, qkv, ab, packed=packed)
+        z = z.view(b, length, self.v_heads, self.v_dim)
         o = self.norm(o.to(x.dtype), z)
         return self.out_proj(o.reshape(b, length, self.value_dim))
 
     def scan(self, batch: Batch, cache: RecurrentCache, qkv, ab) -> torch.Tensor:
         """Conv + scan of this forward's scan inputs from `cache`'s state -> o [B, L, Hv, Dv]; the
         cache takes the new state, its captures and (while recording) the inputs."""
-        hist = cache.get(batch)
+        return self.scan_history(batch, cache, cache.get(batch), qkv, ab)
+
+    def scan_history(self, batch: Batch, cache: RecurrentCache, hist, qkv, ab) -> torch.Tensor:
+        """`scan` from `hist`, what `cache.get(batch)` returned for this forward."""
         lens = batch.query_lens if batch.padded else None
         o, tail, state, boundary = self.mix(
             qkv, ab, hist.conv_tail, hist.state, lens, hist.splits, inplace=True
@@ -232,6 +303,42 @@ class GatedDeltaNet(nn.Module):
             inputs=qkv if hist.record else None,
             gates=ab if hist.record else None,
         )
+        return o
+
+    def scan_packed(self, batch: Packed, caches: list[RecurrentCache], few: list[int], qkv, ab):
+        """Segments `few` of a packed batch (qkv [1, T, conv_dim], ab [1, T, 2·Hv]) in one conv call and
+        one scan call, each segment from and into its own cache's conv tail and state (advanced in
+        place) -> o [1, T, Hv, Dv] with their rows set."""
+        starts, lens = segment_rows(batch, few)
+        segs = [batch.segments[i] for i in few]
+        own = [caches[i] for i in few]
+        hists = [c.get(s) for c, s in zip(own, segs, strict=True)]
+        splits = [h.splits for h in hists]
+        conv_w = self.conv1d.weight.squeeze(1)
+        conv = causal_conv1d_packed(
+            qkv, conv_w, None, [h.conv_tail for h in hists], starts, lens, splits, activation="silu"
+        )
+        ran = conv and gated_delta_net_scan_packed(
+            conv[0], ab, self.A_log, self.dt_bias, [h.state for h in hists], starts, lens, splits,
+            k_heads=self.k_heads, k_dim=self.k_dim, v_heads=self.v_heads, v_dim=self.v_dim,
+        )
+        if ran is None:
+            o = qkv.new_empty(1, qkv.shape[1], self.v_heads, self.v_dim)
+            for seg, c, h, lo, n in zip(segs, own, hists, starts, lens, strict=True):
+                rows = qkv.narrow(1, lo, n), ab.narrow(1, lo, n)
+                o.narrow(1, lo, n).copy_(self.scan_history(seg, c, h, *rows))
+            return o
+        o, state_bounds = ran
+        _, tails, tail_bounds = conv
+        for j, (seg, c, h, lo, n) in enumerate(zip(segs, own, hists, starts, lens, strict=True)):
+            c.put(
+                seg,
+                tails[j],
+                h.state,
+                list(zip(tail_bounds[j], state_bounds[j], strict=True)),
+                inputs=qkv.narrow(1, lo, n) if h.record else None,
+                gates=ab.narrow(1, lo, n) if h.record else None,
+            )
         return o
 
 

@@ -9,14 +9,16 @@ and `DecoderLayer` are used as they are.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import nn
 
-from hybridlm.batch import Batch
+from hybridlm.batch import Batch, Packed
 from hybridlm.cache import ConvCache
 from hybridlm.models.base import CausalLM, Config, register
-from hybridlm.models.layers import Attention, DecoderLayer, GatedMLP, per_segment
-from hybridlm.ops.conv import causal_conv1d
+from hybridlm.models.layers import Attention, DecoderLayer, GatedMLP, per_segment, segment_rows
+from hybridlm.ops.conv import causal_conv1d, causal_conv1d_packed
 from hybridlm.ops.linear import Linear
 from hybridlm.ops.norms import RMSNorm
 from hybridlm.ops.rope import Rotary, inv_freq_from_params
@@ -54,20 +56,46 @@ class ShortConv(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: Batch, cache: ConvCache) -> torch.Tensor:
         """x [B, L, hidden] -> [B, L, hidden]; advances `cache` by the batch's real tokens (a `Packed`
-        batch: the projections over all rows, the convolution per segment on its own cache)."""
+        batch: the projections over all rows, the convolution of its decode / verify segments in one
+        call, each on its own cache, and of any longer segment alone)."""
         b_gate, c_gate, v = self.in_proj(x).chunk(3, dim=-1)
-        y = per_segment(batch, cache, self.convolve, b_gate * v)
+        packed = partial(self.convolve_packed, batch, cache)
+        y = per_segment(batch, cache, self.convolve, b_gate * v, packed=packed)
         return self.out_proj(c_gate * y)
 
     def convolve(self, batch: Batch, cache: ConvCache, bx: torch.Tensor) -> torch.Tensor:
         """The causal conv of this forward's conv inputs bx [B, L, hidden] from `cache`'s tail; the
         cache takes the new tail, its captures and (while recording) the inputs."""
-        hist = cache.get(batch)
+        return self.convolve_history(batch, cache, cache.get(batch), bx)
+
+    def convolve_history(self, batch: Batch, cache: ConvCache, hist, bx: torch.Tensor) -> torch.Tensor:
+        """`convolve` from `hist`, what `cache.get(batch)` returned for this forward."""
         # Padded positions must not reach the carried tail (a padded row ends in the state of its prefix).
         lens = batch.query_lens if batch.padded else None
         w, bias = self.conv.weight.squeeze(1), self.conv.bias
         y, tail, tails = causal_conv1d(bx, w, bias, hist.conv_tail, query_lens=lens, splits=hist.splits)
         cache.put(batch, tail, None, [(t, None) for t in tails], inputs=bx if hist.record else None)
+        return y
+
+    def convolve_packed(self, batch: Packed, caches: list[ConvCache], few: list[int], bx: torch.Tensor):
+        """Segments `few` of a packed batch (bx [1, T, hidden]) in one conv call, each from and into its
+        own cache's tail -> y [1, T, hidden] with their rows set."""
+        starts, lens = segment_rows(batch, few)
+        segs = [batch.segments[i] for i in few]
+        own = [caches[i] for i in few]
+        hists = [c.get(s) for c, s in zip(own, segs, strict=True)]
+        w, bias = self.conv.weight.squeeze(1), self.conv.bias
+        priors, splits = [h.conv_tail for h in hists], [h.splits for h in hists]
+        ran = causal_conv1d_packed(bx, w, bias, priors, starts, lens, splits)
+        if ran is None:
+            y = bx.new_empty(bx.shape)
+            for seg, c, h, lo, n in zip(segs, own, hists, starts, lens, strict=True):
+                y.narrow(1, lo, n).copy_(self.convolve_history(seg, c, h, bx.narrow(1, lo, n)))
+            return y
+        y, tails, bounds = ran
+        for j, (seg, c, h, lo, n) in enumerate(zip(segs, own, hists, starts, lens, strict=True)):
+            inputs = bx.narrow(1, lo, n) if h.record else None
+            c.put(seg, tails[j], None, [(t, None) for t in bounds[j]], inputs=inputs)
         return y
 
 

@@ -137,7 +137,9 @@ def load_model(
 
     quantize: "int8" / "int4" quantizes every linear layer on load (`models.quantized`); a
     checkpoint written by `save_quantized` loads quantized as it was saved, a GPTQ checkpoint as
-    int4 (`models.gptq`); `quantize` must then be None or that scheme."""
+    int4 (`models.gptq`); `quantize` must then be None or that scheme. Linear layers that read the
+    same input are fused once loaded (`models.fused`)."""
+    from hybridlm.models.fused import fuse_projections
     from hybridlm.models.gptq import is_gptq, load_gptq
     from hybridlm.models.quantized import is_quantized, load_quantized, quantize_model
 
@@ -150,13 +152,13 @@ def load_model(
         saved = raw["quantization_config"].get("scheme")
         if quantize not in (None, saved):
             raise CheckpointError(f"{root}: already quantized as {saved}; cannot load it as {quantize}")
-        return load_quantized(cls, root, raw, dtype, device)
+        return fuse_projections(load_quantized(cls, root, raw, dtype, device))
     if is_gptq(raw):
         if quantize not in (None, "int4"):
             raise CheckpointError(f"{root}: a GPTQ int4 checkpoint; cannot load it as {quantize}")
-        return load_gptq(cls, root, raw, dtype, device)
+        return fuse_projections(load_gptq(cls, root, raw, dtype, device))
     model = load_weights(cls, root, raw, dtype, device)
-    return model if quantize is None else quantize_model(model, quantize)
+    return fuse_projections(model if quantize is None else quantize_model(model, quantize))
 
 
 def load_weights(cls, root: Path, raw: dict, dtype: torch.dtype | None = None, device=None):

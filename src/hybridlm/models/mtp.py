@@ -18,6 +18,7 @@ from torch import nn
 
 from hybridlm.batch import Batch
 from hybridlm.cache.kv import KVCache
+from hybridlm.models.fused import fuse_projections
 from hybridlm.models.loader import CheckpointError, check_tensors, read_tensors, weight_files
 from hybridlm.ops.linear import Linear
 
@@ -88,4 +89,4 @@ def load_mtp_head(path: str | Path, target) -> MTPHead:
     check_tensors(state, {f"mtp.{k}": v.shape for k, v in head.state_dict().items()}, source, root)
     state = {k.removeprefix("mtp."): v.to(device=target.device, dtype=target.dtype) for k, v in state.items()}
     head.load_state_dict(state, assign=True)
-    return head.eval()
+    return fuse_projections(head.eval())

@@ -44,6 +44,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from hybridlm.models.base import CausalLM
+from hybridlm.models.fused import unfused_state
 from hybridlm.models.loader import (
     CheckpointError,
     check_tensors,
@@ -98,7 +99,7 @@ def save_quantized(model: CausalLM, source: str | Path, out: str | Path) -> Path
     quant = getattr(model, "quantization", None)
     if not quant:
         raise ValueError("the model is not quantized (quantize_model first)")
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    state = {k: v.contiguous() for k, v in unfused_state(model).items()}
     if model.tied and isinstance(model.lm_head, nn.Linear):
         state.pop("lm_head.weight")  # the embedding table, tied back on load
     for file in weight_files(source):

@@ -38,9 +38,29 @@ KERNEL = NativeKernel(
     ctypes.c_int,
     fallback="scaled_dot_product_attention",
 )
+PACKED_KERNEL = NativeKernel(
+    "attention",
+    "attention.c",
+    "hybridlm_attention_packed",
+    [ctypes.c_void_p, _i64, _i64, ctypes.c_void_p, _i64] + [ctypes.c_void_p] * 5 + [_i64] * 5
+    + [ctypes.c_float, ctypes.c_float, ctypes.c_int, ctypes.c_int],
+    ctypes.c_int,
+    fallback="one call per sequence",
+)
 KERNEL_MAX_QUERIES = FEW_TOKENS
+SEG_FIELDS = 9  # int64 fields per segment of the kernel's table (csrc/attention.c SEG_FIELDS)
 # Keys per block of the kernel (csrc/attention.c `KB`); blocks are aligned to absolute positions.
 KEY_BLOCK = 64
+
+
+def _segment_table(segments) -> list[int]:
+    """The kernel's segment table (csrc/attention.c): per (keys, values) segment, their addresses, the
+    end of its key rows counted across the segments, and their (batch, head, row) strides."""
+    table, end = [], 0
+    for k, v in segments:
+        end += k.shape[2]
+        table += [k.data_ptr(), v.data_ptr(), end, *k.stride()[:3], *v.stride()[:3]]
+    return table
 
 
 def _kernel_attention(q, k, v, batch, key_start, scale, window, softcap, prefix) -> torch.Tensor | None:
@@ -62,10 +82,8 @@ def _kernel_attention(q, k, v, batch, key_start, scale, window, softcap, prefix)
     if fn is None:
         return None
     Hkv, Dv = k.shape[1], v.shape[-1]
-    table, end = [], 0  # the kernel's segment table (csrc/attention.c, SEG_FIELDS per segment)
-    for sk, sv in segments:
-        end += sk.shape[2]
-        table += [sk.data_ptr(), sv.data_ptr(), end, *sk.stride()[:3], *sv.stride()[:3]]
+    table = _segment_table(segments)
+    end = table[-SEG_FIELDS + 2]
     seg = torch.tensor(table, dtype=torch.int64)
     out = torch.empty(B, Hq, L, Dv, dtype=q.dtype)
     qpos = batch.positions().to(torch.int64).contiguous()
@@ -143,3 +161,60 @@ def attention(
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     return torch.matmul(scores.softmax(-1).to(v.dtype), v)
+
+
+def attention_packed(
+    q: torch.Tensor,
+    histories: list,
+    starts: list[int],
+    lens: list[int],
+    positions: torch.Tensor,
+    *,
+    scale: float,
+    softcap: float | None = None,
+) -> torch.Tensor | None:
+    """``attention`` of several sequences' queries packed end to end, in one C call, each over its
+    own keys / values.
+
+    q: [1, Hq, N, D]; sequence i's queries are rows [starts[i], starts[i] + lens[i]) (each
+    lens[i] in [1, KERNEL_MAX_QUERIES]) at `positions` [1, N]; histories[i]: its
+    `cache.kv.AttentionHistory` (keys / values [1, Hkv, T_i, D], key_start, window, prefix).
+    Returns [1, Hq, N, Dv] with each sequence's outputs at its rows (other rows are unset), bit for
+    bit what `attention` computes for it alone (the kernel runs each sequence's loop unchanged);
+    None where the C kernel does not apply (callers then attend per sequence).
+    """
+    _, Hq, N, D = q.shape
+    dtype = q.dtype
+    segments = [[*h.prefix, (h.keys, h.values)] for h in histories]
+    tensors = [t for segs in segments for pair in segs for t in pair]
+    if not (
+        q.shape[0] == 1
+        and all(0 < n <= KERNEL_MAX_QUERIES for n in lens)
+        and q.is_cpu
+        and dtype in (torch.bfloat16, torch.float32)
+        and q.stride(-1) == 1
+        and all(t.dtype is dtype and t.stride(-1) == 1 and t.shape[0] == 1 for t in tensors)
+        and len({(h.keys.shape[1], h.values.shape[-1]) for h in histories}) == 1
+        and not torch.compiler.is_compiling()
+        and not (torch.is_grad_enabled() and q.requires_grad)
+    ):
+        return None
+    fn = PACKED_KERNEL.get()
+    if fn is None:
+        return None
+    Hkv, Dv = histories[0].keys.shape[1], histories[0].values.shape[-1]
+    out = torch.empty(1, Hq, N, Dv, dtype=dtype)
+    table, views = [], []
+    for h, segs in zip(histories, segments, strict=True):
+        views.append([len(table) // SEG_FIELDS, len(segs), 0, h.key_start, h.window or 0])
+        table += _segment_table(segs)
+        views[-1][2] = table[-SEG_FIELDS + 2]  # T: the last segment's end
+    seg = torch.tensor(table, dtype=torch.int64)
+    views = torch.tensor(views, dtype=torch.int64)
+    qpos = positions.to(torch.int64).contiguous()
+    starts_ = torch.tensor(starts, dtype=torch.int64)
+    lens_ = torch.tensor(lens, dtype=torch.int64)
+    fn(q.data_ptr(), q.stride(1), q.stride(2), out.data_ptr(), N, qpos.data_ptr(), starts_.data_ptr(),
+       lens_.data_ptr(), seg.data_ptr(), views.data_ptr(), len(histories), Hq, Hkv, D, Dv, scale,
+       softcap or 0.0, int(dtype is torch.bfloat16), torch.get_num_threads())
+    return out

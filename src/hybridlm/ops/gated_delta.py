@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from hybridlm.ops.native import NativeKernel, checked_splits, split_args
+from hybridlm.ops.native import NativeKernel, checked_splits, packed_args, split_args
 from hybridlm.ops.norms import l2_normalize
 
 # Measured on 2 CPU cores, 16 heads x 128 x 128, batch 1, bf16 inputs:
@@ -299,6 +299,15 @@ GDN_KERNEL = NativeKernel(
     ctypes.c_int,
     fallback="the composed torch ops",
 )
+GDN_PACKED_KERNEL = NativeKernel(
+    "gdn_scan",
+    "gated_delta.c",
+    "hybridlm_gdn_scan_packed",
+    [_p, _p, _p, _p, _p, _p, _p, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, ctypes.c_float,
+     ctypes.c_int, ctypes.c_int, ctypes.c_int],
+    ctypes.c_int,
+    fallback="one call per sequence",
+)
 
 # Measured (16 heads of 128 x 128, bf16, 2 threads): the fused scan costs ~93 µs for one token,
 # 18 µs per token at 32 tokens and 15 µs per token from 128 on; the composed ops 216, 33 and 26-39 µs
@@ -390,3 +399,59 @@ def _composed_scan(x, ab, A_log, dt_bias, state, k_heads, k_dim, v_heads, v_dim,
     beta = b.sigmoid()
     g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)
     return gated_delta_rule(q, k, v, g, beta, state, query_lens=query_lens, splits=splits, inplace=inplace)
+
+
+def gated_delta_net_scan_packed(
+    x: Tensor,
+    ab: Tensor,
+    A_log: Tensor,
+    dt_bias: Tensor,
+    states: Sequence[Tensor],
+    starts: Sequence[int],
+    lens: Sequence[int],
+    splits: Sequence[Sequence[int]],
+    *,
+    k_heads: int,
+    k_dim: int,
+    v_heads: int,
+    v_dim: int,
+) -> tuple[Tensor, list[list[Tensor]]] | None:
+    """``gated_delta_net_scan(..., inplace=True)`` of several sequences packed end to end, in one C
+    call parallel over sequences x heads.
+
+    Args:
+        x: ``[1, T, 2·Hk·Dk + Hv·Dv]`` packed conv outputs, ab ``[1, T, 2·Hv]``; sequence i's rows are
+            ``[starts[i], starts[i] + lens[i])``, each ``lens[i]`` in ``[1, FUSED_MAX_LEN]``.
+        states: sequence i's own ``[1, Hv, Dk, Dv]`` contiguous float32 state, advanced in place.
+        splits: sequence i's split offsets.
+
+    Returns:
+        ``(o, boundary_states)``: ``o`` ``[1, T, Hv, Dv]`` holds each sequence's outputs at its rows
+        (other rows are unset), ``boundary_states[i][j]`` the state after ``splits[i][j]`` tokens; each
+        sequence's numbers are bit for bit those of ``gated_delta_net_scan`` on it alone (the kernel
+        runs the same per-head loop). None where the C kernel does not apply (callers then run one
+        call per sequence).
+    """
+    _, T, _ = x.shape
+    shape = (1, v_heads, k_dim, v_dim)
+    if not (
+        x.shape[0] == 1
+        and all(0 < n <= FUSED_MAX_LEN for n in lens)
+        and all(s.shape == shape and s.dtype is torch.float32 and s.is_contiguous() for s in states)
+        and _fused_applies(x, ab, A_log, dt_bias, states[0], T, True)
+    ):
+        return None
+    fn = GDN_PACKED_KERNEL.get()
+    if fn is None:
+        return None
+    splits = [checked_splits(s, n) for s, n in zip(splits, lens, strict=True)]
+    x, ab = x.contiguous(), ab.contiguous()
+    A_log, dt_bias = A_log.contiguous(), dt_bias.contiguous()
+    o = torch.empty(1, T, v_heads, v_dim, dtype=x.dtype)
+    bounds = [[torch.empty(shape, dtype=torch.float32) for _ in s] for s in splits]
+    n = len(states)
+    state_ptrs = (ctypes.c_void_p * n)(*(s.data_ptr() for s in states))
+    fn(x.data_ptr(), ab.data_ptr(), A_log.data_ptr(), dt_bias.data_ptr(), state_ptrs, o.data_ptr(),
+       *packed_args(starts, lens, splits, bounds), n, k_heads, v_heads, k_dim, v_dim, k_dim**-0.5,
+       int(x.dtype is torch.bfloat16), int(A_log.dtype is torch.bfloat16), torch.get_num_threads())
+    return o, bounds

@@ -30,6 +30,7 @@ from hybridlm.ops.native import FEW_TOKENS, NativeKernel
 
 __all__ = [
     "MAX_FAST_ROWS",
+    "FusedLinear",
     "Linear",
     "fast_path_available",
     "in_row_groups",
@@ -174,3 +175,27 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
+
+
+class FusedLinear(nn.Module):
+    """Linear layers that read the same input, run as one call (`models.fused` builds it at load).
+
+    ``proj`` (a `Linear` or `ops.quant.QuantLinear`) holds the layers' output rows one after another;
+    ``parts`` names each layer (its attribute on the owning module) and its output width. A decode row
+    reads every weight exactly as the separate layers would and each output's dot product is computed
+    by the same instructions (the kernels' sums are per output row), so the numbers are bit-identical
+    to the separate calls; one call instead of several saves the per-call cost (~10 us each).
+    """
+
+    def __init__(self, proj: nn.Module, parts: tuple[tuple[str, int], ...]):
+        super().__init__()
+        self.proj = proj
+        self.parts = tuple(parts)
+        self.sizes = [size for _, size in self.parts]
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [..., in] -> one view [..., size] per part, in `parts` order."""
+        return self.proj(x).split(self.sizes, dim=-1)
+
+    def extra_repr(self) -> str:
+        return "parts=" + ", ".join(f"{name}[{size}]" for name, size in self.parts)

@@ -161,3 +161,23 @@ def split_args(splits, bounds, query_lens) -> tuple:
     at = (ctypes.c_int64 * n)(*splits) if n else None
     lens = None if query_lens is None else (ctypes.c_int64 * len(query_lens))(*map(int, query_lens))
     return ptrs, at, n, lens
+
+
+def packed_args(starts, lens, splits, bounds) -> tuple:
+    """The ctypes arguments ``(bounds, splits, split_starts, starts, lens)`` of a packed scan kernel
+    over several sequences: sequence i's rows are ``[starts[i], starts[i] + lens[i])`` of the packed
+    input and ``splits[i]`` its split offsets, whose boundary tensors ``bounds[i]`` are flattened
+    into one pointer array (sequence i's from ``split_starts[i]`` to ``split_starts[i + 1]``)."""
+    flat = [t.data_ptr() for b in bounds for t in b]
+    at = [int(s) for seq in splits for s in seq]
+    firsts = [0]
+    for seq in splits:
+        firsts.append(firsts[-1] + len(seq))
+    n = len(starts)
+    return (
+        (ctypes.c_void_p * max(len(flat), 1))(*flat),
+        (ctypes.c_int64 * max(len(at), 1))(*at),
+        (ctypes.c_int64 * (n + 1))(*firsts),
+        (ctypes.c_int64 * n)(*starts),
+        (ctypes.c_int64 * n)(*lens),
+    )

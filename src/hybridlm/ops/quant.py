@@ -21,6 +21,7 @@ other devices and dtypes (where the whole weight is dequantized by torch).
 from __future__ import annotations
 
 import ctypes
+import itertools
 
 import torch
 import torch.nn.functional as F
@@ -108,6 +109,25 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return (((words[..., None] >> shifts) & 15) - 8).to(torch.int8).view(n, half * 2)
 
 
+def _rows_joined(qweights: list[torch.Tensor], scales: list[torch.Tensor], bits: int):
+    """(qweight, scales) of the layers' output rows one after another (int4: out of and back into panels)."""
+    if bits == 8:
+        return torch.cat(qweights), torch.cat(scales)
+    words = [from_panels(q.contiguous().view(torch.int32)) for q in qweights]
+    n, k = sum(w.shape[0] for w in words), qweights[0].shape[1]
+    q = to_panels(torch.cat(words)).contiguous().view(torch.uint8).view(n, k)
+    return q, to_panels(torch.cat([from_panels(s) for s in scales])).contiguous()
+
+
+def _rows_of(qweight: torch.Tensor, scales: torch.Tensor, bits: int, lo: int, hi: int):
+    """(qweight, scales) of output rows [lo, hi) as a layer of their own (int4: in its own panels)."""
+    if bits == 8:
+        return qweight[lo:hi].clone(), scales[lo:hi].clone()
+    words = from_panels(qweight.contiguous().view(torch.int32))[lo:hi]
+    q = to_panels(words.contiguous()).contiguous().view(torch.uint8).view(hi - lo, qweight.shape[1])
+    return q, to_panels(from_panels(scales)[lo:hi].contiguous()).contiguous()
+
+
 class QuantLinear(nn.Module):
     """A weight-only quantized ``Linear`` (made by `from_linear`, or built empty to load into).
 
@@ -165,6 +185,42 @@ class QuantLinear(nn.Module):
         if layer.bias is not None:
             out.bias.copy_(layer.bias.detach())
         return out
+
+    @classmethod
+    @torch.no_grad()
+    def concat(cls, layers: list[QuantLinear]) -> QuantLinear:
+        """One layer whose output rows are `layers`' rows one after another, each stored as it was (int4
+        panels re-cut at the new row offsets), so each output computes the same numbers. The layers
+        share input width, bits, group size, scale dtype and having a bias (else ValueError)."""
+        first = layers[0]
+        def kind(q: QuantLinear) -> tuple:
+            return q.in_features, q.bits, q.group_size, q.scales.dtype, q.bias is None
+
+        if any(kind(q) != kind(first) for q in layers):
+            raise ValueError("layers of different input widths, schemes, group sizes, scale dtypes or biases")
+        qweight, scales = _rows_joined([q.qweight for q in layers], [q.scales for q in layers], first.bits)
+        out = cls(first.in_features, qweight.shape[0], first.bits, first.group_size, False, device="meta",
+                  scale_dtype=first.scales.dtype)
+        out.qweight, out.scales = qweight, scales
+        if first.bias is not None:
+            out.bias = nn.Parameter(torch.cat([q.bias for q in layers]), requires_grad=False)
+        return out
+
+    @torch.no_grad()
+    def split(self, sizes: list[int]) -> list[QuantLinear]:
+        """Inverse of `concat`: the layers of `sizes` output rows each, one after another."""
+        if sum(sizes) != self.out_features:
+            raise ValueError(f"sizes {sizes} do not add up to {self.out_features} output rows")
+        parts = []
+        for lo, n in zip(itertools.accumulate([0, *sizes]), sizes, strict=False):
+            q, s = _rows_of(self.qweight, self.scales, self.bits, lo, lo + n)
+            part = QuantLinear(self.in_features, n, self.bits, self.group_size, False, device="meta",
+                               scale_dtype=self.scales.dtype)
+            part.qweight, part.scales = q, s
+            if self.bias is not None:
+                part.bias = nn.Parameter(self.bias[lo : lo + n].clone(), requires_grad=False)
+            parts.append(part)
+        return parts
 
     def dequantized(self, dtype: torch.dtype = torch.bfloat16, rows: slice | None = None) -> torch.Tensor:
         """The weight [out, in] (or `rows` of it) as `dtype`, by torch ops (any device)."""

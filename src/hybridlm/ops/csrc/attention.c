@@ -47,34 +47,107 @@ static inline void axpy(float* y, float a, const void* x, int64_t D, int bf16) {
     for (; i < D; i++) y[i] += a * load(x, i, bf16);
 }
 
-/* The segment table: per segment SEG_FIELDS int64 fields, k and v addresses, the end of its key rows
-   (counted across the segments), then the strides (batch, head, row) of k and of v in elements. */
+/* A segment table: per segment SEG_FIELDS int64 fields, the k and v addresses, the end of its key
+   rows (counted across the segments), then the strides (batch, head, row) of k and of v in elements.
+   The segments are read as one buffer: read-only shared ones (copy-on-write), then the own rows. */
 enum { SEG_K, SEG_V, SEG_END, SEG_KST, SEG_VST = SEG_KST + 3, SEG_FIELDS = SEG_VST + 3 };
 
-/* The address of key (which = SEG_K) or value (SEG_V) row jj (0 <= jj < T) of batch b, kv head g:
-   segment *s (a cursor, moved to the segment holding jj) holds rows [end of *s - 1, end of *s). */
-static inline const char* seg_row(const int64_t* seg, int64_t nseg, int* s, int which, int64_t b,
-                                  int64_t g, int64_t jj, size_t es) {
-    while (*s > 0 && jj < seg[(*s - 1) * SEG_FIELDS + SEG_END]) (*s)--;
-    while (*s < nseg - 1 && jj >= seg[*s * SEG_FIELDS + SEG_END]) (*s)++;
-    const int64_t* t = seg + *s * SEG_FIELDS;
+/* One sequence's keys / values: `nseg` segments of table `seg`, at batch row b; key row j
+   (0 <= j < T, counted across the segments) holds position key_start + j. */
+typedef struct {
+    const int64_t* seg;
+    int64_t nseg, b, T, key_start;
+} kv_view;
+
+/* The address of key (which = SEG_K) or value (SEG_V) row jj (0 <= jj < T) of kv head g: segment *s
+   (a cursor, moved to the segment holding jj) holds rows [end of *s - 1, end of *s). */
+static inline const char* seg_row(const kv_view* kv, int* s, int which, int64_t g, int64_t jj, size_t es) {
+    while (*s > 0 && jj < kv->seg[(*s - 1) * SEG_FIELDS + SEG_END]) (*s)--;
+    while (*s < kv->nseg - 1 && jj >= kv->seg[*s * SEG_FIELDS + SEG_END]) (*s)++;
+    const int64_t* t = kv->seg + *s * SEG_FIELDS;
     const int64_t row = jj - (*s > 0 ? t[SEG_END - SEG_FIELDS] : 0);
     const int64_t* st = t + (which == SEG_K ? SEG_KST : SEG_VST);
-    return (const char*)(intptr_t)t[which] + (b * st[0] + g * st[1] + row * st[2]) * es;
+    return (const char*)(intptr_t)t[which] + (kv->b * st[0] + g * st[1] + row * st[2]) * es;
 }
 
-/* q [B, Hq, L, D]; the keys / values are nseg buffers read as one (`seg`, above): segment i holds key
-   rows [end_{i-1}, end_i) (end_{-1} = 0, end_{nseg-1} = T) as k [B, Hkv, n_i, D], v [B, Hkv, n_i, Dv],
-   last dim contiguous: read-only shared segments (copy-on-write) then the sequence's own rows. out
-   [B, Hq, L, Dv] contiguous; qpos [B, L] absolute query positions; key row j holds position
-   key_start + j. A query at p sees keys at positions in [p - window + 1, p] (window 0: [0, p]). Only a
-   key's address depends on which segment holds it, never the arithmetic or its order: the result is
-   the same bits however the rows are split into segments. Returns 0, or -1 when out of memory. */
+/* The L queries of one sequence on key/value head g: q rows (head h, token t) at q + h*q_sh + t*q_sl,
+   positions qpos [L], outputs at out + h*out_sh + t*out_sl (elements). buf holds
+   R*(D + Dv + 2) + KB floats, R = (Hq/Hkv)*L. Both entry points run exactly this, so a sequence's
+   numbers never depend on what else was in the call. */
+static void attend_group(const char* q, int64_t q_sh, int64_t q_sl, const kv_view* kv, int64_t g,
+                         char* out, int64_t out_sh, int64_t out_sl, const int64_t* qpos, int64_t Hq,
+                         int64_t Hkv, int64_t L, int64_t D, int64_t Dv, int64_t window, float scale,
+                         float softcap, int is_bf16, float* buf) {
+    const int64_t rep = Hq / Hkv, R = rep * L, T = kv->T, key_start = kv->key_start;
+    const size_t es = is_bf16 ? 2 : 4;
+    float *qf = buf, *acc = qf + R * D, *m = acc + R * Dv, *l = m + R, *sc = l + R;
+    int64_t lo = INT64_MAX, hi = -1;
+    for (int64_t r = 0; r < R; r++) {
+        const int64_t h = g * rep + r / L, t = r % L;
+        const char* qrow = q + (h * q_sh + t * q_sl) * es;
+        for (int64_t i = 0; i < D; i++) qf[r * D + i] = load(qrow, i, is_bf16);
+        for (int64_t i = 0; i < Dv; i++) acc[r * Dv + i] = 0.f;
+        m[r] = -INFINITY;
+        l[r] = 0.f;
+        const int64_t p = qpos[t], first = window > 0 ? p - window + 1 : 0;
+        if (first < lo) lo = first;
+        if (p > hi) hi = p;
+    }
+    if (lo < key_start) lo = key_start;
+    if (hi > key_start + T - 1) hi = key_start + T - 1;
+    const int64_t b0 = lo >= 0 ? lo / KB * KB : 0;
+    for (int64_t p0 = b0; p0 <= hi; p0 += KB) {
+        for (int64_t r = 0; r < R; r++) {
+            const int64_t p = qpos[r % L];
+            int64_t a = p0, z = p0 + KB - 1;
+            if (a < key_start) a = key_start;
+            if (window > 0 && a < p - window + 1) a = p - window + 1;
+            if (z > p) z = p;
+            if (z > key_start + T - 1) z = key_start + T - 1;
+            if (a > z) continue;
+            float bm = -INFINITY;
+            int s = 0;
+            for (int64_t j = a; j <= z; j++) {
+                const char* kj = seg_row(kv, &s, SEG_K, g, j - key_start, es);
+                float s = dot(qf + r * D, kj, D, is_bf16) * scale;
+                if (softcap > 0.f) s = tanhf(s / softcap) * softcap;
+                sc[j - a] = s;
+                if (s > bm) bm = s;
+            }
+            const float mn = bm > m[r] ? bm : m[r];
+            const float alpha = expf(m[r] - mn);
+            float* ar = acc + r * Dv;
+            for (int64_t i = 0; i < Dv; i++) ar[i] *= alpha;
+            l[r] *= alpha;
+            s = 0;
+            for (int64_t j = a; j <= z; j++) {
+                const float e = expf(sc[j - a] - mn);
+                l[r] += e;
+                const char* vj = seg_row(kv, &s, SEG_V, g, j - key_start, es);
+                axpy(ar, e, vj, Dv, is_bf16);
+            }
+            m[r] = mn;
+        }
+    }
+    for (int64_t r = 0; r < R; r++) {
+        const int64_t h = g * rep + r / L, t = r % L;
+        const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+        for (int64_t i = 0; i < Dv; i++) store(out, h * out_sh + t * out_sl + i, acc[r * Dv + i] * inv, is_bf16);
+    }
+}
+
+/* q [B, Hq, L, D]; the keys / values are the nseg segments of table `seg` (above: segment i holds
+   key rows [end_{i-1}, end_i), end_{-1} = 0, end_{nseg-1} = T; k [B, Hkv, n_i, D], v [B, Hkv, n_i, Dv],
+   last dim contiguous) read as one buffer; out [B, Hq, L, Dv] contiguous; qpos [B, L] absolute query
+   positions; key row j holds position key_start + j. A query at p sees keys at positions in
+   [p - window + 1, p] (window 0: [0, p]). Only a key's address depends on which segment holds it,
+   never the arithmetic or its order: the result is the same bits however the rows are split into
+   segments. Returns 0, or -1 when out of memory. */
 int hybridlm_attention(const void* q, const int64_t* seg, int64_t nseg, void* out, const int64_t* qpos,
                        int64_t B, int64_t Hq, int64_t Hkv, int64_t L, int64_t T, int64_t D, int64_t Dv,
                        int64_t q_sb, int64_t q_sh, int64_t q_sl, int64_t key_start, int64_t window,
                        float scale, float softcap, int is_bf16, int nthreads) {
-    const int64_t rep = Hq / Hkv, R = rep * L;
+    const int64_t R = Hq / Hkv * L;
     const size_t es = is_bf16 ? 2 : 4;
     int failed = 0;
     #pragma omp parallel for schedule(static) num_threads(nthreads)
@@ -86,64 +159,43 @@ int hybridlm_attention(const void* q, const int64_t* seg, int64_t nseg, void* ou
             failed = 1;
             continue;
         }
-        float *qf = buf, *acc = qf + R * D, *m = acc + R * Dv, *l = m + R, *sc = l + R;
-        int64_t lo = INT64_MAX, hi = -1;
-        for (int64_t r = 0; r < R; r++) {
-            const int64_t h = g * rep + r / L, t = r % L;
-            const int64_t qrow = b * q_sb + h * q_sh + t * q_sl;
-            for (int64_t i = 0; i < D; i++) qf[r * D + i] = load(q, qrow + i, is_bf16);
-            for (int64_t i = 0; i < Dv; i++) acc[r * Dv + i] = 0.f;
-            m[r] = -INFINITY;
-            l[r] = 0.f;
-            const int64_t p = qpos[b * L + t], first = window > 0 ? p - window + 1 : 0;
-            if (first < lo) lo = first;
-            if (p > hi) hi = p;
+        const kv_view kv = {seg, nseg, b, T, key_start};
+        attend_group((const char*)q + b * q_sb * es, q_sh, q_sl, &kv, g, (char*)out + b * Hq * L * Dv * es,
+                     L * Dv, Dv, qpos + b * L, Hq, Hkv, L, D, Dv, window, scale, softcap, is_bf16, buf);
+        free(buf);
+    }
+    return failed ? -1 : 0;
+}
+
+/* Several sequences' queries packed end to end in one call (decode and verify rows of many
+   sequences), each over its own keys / values: q [Hq, N, D] (strides q_sh, q_sl) and out [Hq, N, Dv]
+   (contiguous) hold sequence i's rows at [starts[i], starts[i] + lens[i]), at positions qpos [N];
+   views[i] = (first segment, segments, T, key_start, window): its keys / values are segments
+   [first, first + segments) of table `seg` (as in hybridlm_attention, batch row 0). Rows outside
+   every sequence are not touched. Parallel over sequences x key/value heads; each runs attend_group
+   as hybridlm_attention would on that sequence alone, so the bits are the same. Returns 0, or -1
+   when out of memory. */
+int hybridlm_attention_packed(const void* q, int64_t q_sh, int64_t q_sl, void* out, int64_t N,
+                              const int64_t* qpos, const int64_t* starts, const int64_t* lens,
+                              const int64_t* seg, const int64_t* views, int64_t nseq, int64_t Hq,
+                              int64_t Hkv, int64_t D, int64_t Dv, float scale,
+                              float softcap, int is_bf16, int nthreads) {
+    const size_t es = is_bf16 ? 2 : 4;
+    int failed = 0;
+    #pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t ig = 0; ig < nseq * Hkv; ig++) {
+        const int64_t i = ig / Hkv, g = ig % Hkv, L = lens[i], R = Hq / Hkv * L;
+        float* buf = malloc(sizeof(float) * (R * (D + Dv + 2) + KB));
+        if (!buf) {
+            #pragma omp atomic write
+            failed = 1;
+            continue;
         }
-        if (lo < key_start) lo = key_start;
-        if (hi > key_start + T - 1) hi = key_start + T - 1;
-        const int64_t b0 = lo >= 0 ? lo / KB * KB : 0;
-        for (int64_t p0 = b0; p0 <= hi; p0 += KB) {
-            for (int64_t r = 0; r < R; r++) {
-                const int64_t p = qpos[b * L + r % L];
-                int64_t a = p0, z = p0 + KB - 1;
-                if (a < key_start) a = key_start;
-                if (window > 0 && a < p - window + 1) a = p - window + 1;
-                if (z > p) z = p;
-                if (z > key_start + T - 1) z = key_start + T - 1;
-                if (a > z) continue;
-                float bm = -INFINITY;
-                int s = 0;
-                for (int64_t j = a; j <= z; j++) {
-                    const char* kj = seg_row(seg, nseg, &s, SEG_K, b, g, j - key_start, es);
-                    float s = dot(qf + r * D, kj, D, is_bf16) * scale;
-                    if (softcap > 0.f) s = tanhf(s / softcap) * softcap;
-                    sc[j - a] = s;
-                    if (s > bm) bm = s;
-                }
-                const float mn = bm > m[r] ? bm : m[r];
-                const float alpha = expf(m[r] - mn);
-                float* ar = acc + r * Dv;
-                for (int64_t i = 0; i < Dv; i++) ar[i] *= alpha;
-                l[r] *= alpha;
-                s = 0;
-                for (int64_t j = a; j <= z; j++) {
-                    const float e = expf(sc[j - a] - mn);
-                    l[r] += e;
-                    const char* vj = seg_row(seg, nseg, &s, SEG_V, b, g, j - key_start, es);
-                    axpy(ar, e, vj, Dv, is_bf16);
-                }
-                m[r] = mn;
-            }
-        }
-        for (int64_t r = 0; r < R; r++) {
-            const int64_t h = g * rep + r / L, t = r % L;
-            const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
-            for (int64_t i = 0; i < Dv; i++) {
-                const int64_t o = ((b * Hq + h) * L + t) * Dv + i;
-                const float y = acc[r * Dv + i] * inv;
-                store(out, o, y, is_bf16);
-            }
-        }
+        const int64_t* w = views + 5 * i;
+        const kv_view kv = {seg + w[0] * SEG_FIELDS, w[1], 0, w[2], w[3]};
+        attend_group((const char*)q + starts[i] * q_sl * es, q_sh, q_sl, &kv, g,
+                     (char*)out + starts[i] * Dv * es, N * Dv, Dv, qpos + starts[i], Hq, Hkv, L, D, Dv,
+                     w[4], scale, softcap, is_bf16, buf);
         free(buf);
     }
     return failed ? -1 : 0;
