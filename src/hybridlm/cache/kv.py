@@ -23,7 +23,7 @@ import torch
 
 from hybridlm.batch import Batch
 from hybridlm.cache.base import LayerCache, Snapshot, tensor_bytes
-from hybridlm.ops.attention import KEY_BLOCK
+from hybridlm.ops.attention import KEY_BLOCK, KeySegment
 
 
 class AttentionHistory(NamedTuple):
@@ -65,6 +65,7 @@ class SharedRows:
     def __init__(self, start: int, k: torch.Tensor, v: torch.Tensor, source: RowsSnapshot | None = None):
         self.start, self.end = start, start + k.shape[2]
         self.k, self.v = k, v
+        self.pair = KeySegment(k, v)  # what attention reads (its kernel fields computed once)
         self.source = source
         self.holders = 0
 
@@ -250,8 +251,9 @@ class KVCache(LayerCache):
         out = []
         for seg in self.segments:
             a, b = max(lo, seg.start) - seg.start, min(hi, seg.end) - seg.start
-            if a < b:
-                out.append((seg.k[:, :, a:b], seg.v[:, :, a:b]))
+            if a < b:  # a whole segment (the common case) needs no new view every step
+                whole = a == 0 and b == seg.end - seg.start
+                out.append(seg.pair if whole else (seg.k[:, :, a:b], seg.v[:, :, a:b]))
         a, b = max(lo, self.start_pos) - self.start_pos, hi - self.start_pos
         if a < b:
             out.append((self.k[:, :, a:b], self.v[:, :, a:b]))

@@ -53,13 +53,28 @@ SEG_FIELDS = 9  # int64 fields per segment of the kernel's table (csrc/attention
 KEY_BLOCK = 64
 
 
+class KeySegment(tuple):
+    """A (keys, values) pair that is passed unchanged call after call (a shared copy-on-write segment,
+    `cache/kv.py: SharedRows`): the kernel's table fields for it are computed once."""
+
+    def __new__(cls, k: torch.Tensor, v: torch.Tensor) -> KeySegment:
+        pair = super().__new__(cls, (k, v))
+        pair.fields = _fields(k, v)
+        return pair
+
+
+def _fields(k: torch.Tensor, v: torch.Tensor) -> list[int]:
+    return [k.data_ptr(), v.data_ptr(), k.shape[2], *k.stride()[:3], *v.stride()[:3]]
+
+
 def _segment_table(segments) -> list[int]:
     """The kernel's segment table (csrc/attention.c): per (keys, values) segment, their addresses, the
     end of its key rows counted across the segments, and their (batch, head, row) strides."""
     table, end = [], 0
-    for k, v in segments:
-        end += k.shape[2]
-        table += [k.data_ptr(), v.data_ptr(), end, *k.stride()[:3], *v.stride()[:3]]
+    for pair in segments:
+        f = pair.fields if isinstance(pair, KeySegment) else _fields(*pair)
+        end += f[2]
+        table += [f[0], f[1], end, *f[3:]]
     return table
 
 

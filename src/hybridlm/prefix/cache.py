@@ -815,8 +815,8 @@ class PrefixCache:
 
     def _enforce(self, reserve: int, keep: frozenset[int], delete: bool = True) -> None:
         protected = self.live_path()
-        keep = keep | self.locked()
         if self._budget() is not None:
+            keep = keep | self.locked()
             room = self._limit() - reserve - self.reserved_bytes
             total = self.nbytes
             for on_live_path in (False, True):

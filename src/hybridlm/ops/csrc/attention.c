@@ -59,15 +59,19 @@ typedef struct {
     int64_t nseg, b, T, key_start;
 } kv_view;
 
-/* The address of key (which = SEG_K) or value (SEG_V) row jj (0 <= jj < T) of kv head g: segment *s
-   (a cursor, moved to the segment holding jj) holds rows [end of *s - 1, end of *s). */
-static inline const char* seg_row(const kv_view* kv, int* s, int which, int64_t g, int64_t jj, size_t es) {
-    while (*s > 0 && jj < kv->seg[(*s - 1) * SEG_FIELDS + SEG_END]) (*s)--;
-    while (*s < kv->nseg - 1 && jj >= kv->seg[*s * SEG_FIELDS + SEG_END]) (*s)++;
-    const int64_t* t = kv->seg + *s * SEG_FIELDS;
-    const int64_t row = jj - (*s > 0 ? t[SEG_END - SEG_FIELDS] : 0);
+/* The run of key (which = SEG_K) or value (SEG_V) rows of kv head g from row jj (0 <= jj < T) on that
+   one segment holds, at most n rows: sets *row to its first row's address and *step to the bytes
+   from one row to the next; returns its length. */
+static inline int64_t seg_run(const kv_view* kv, int which, int64_t g, int64_t jj, int64_t n, size_t es,
+                              const char** row, int64_t* step) {
+    int64_t s = 0;
+    while (s < kv->nseg - 1 && jj >= kv->seg[s * SEG_FIELDS + SEG_END]) s++;
+    const int64_t* t = kv->seg + s * SEG_FIELDS;
+    const int64_t first = s > 0 ? t[SEG_END - SEG_FIELDS] : 0, left = t[SEG_END] - jj;
     const int64_t* st = t + (which == SEG_K ? SEG_KST : SEG_VST);
-    return (const char*)(intptr_t)t[which] + (kv->b * st[0] + g * st[1] + row * st[2]) * es;
+    *row = (const char*)(intptr_t)t[which] + (kv->b * st[0] + g * st[1] + (jj - first) * st[2]) * es;
+    *step = st[2] * (int64_t)es;
+    return left < n ? left : n;
 }
 
 /* The L queries of one sequence on key/value head g: q rows (head h, token t) at q + h*q_sh + t*q_sl,
@@ -106,25 +110,31 @@ static void attend_group(const char* q, int64_t q_sh, int64_t q_sl, const kv_vie
             if (z > key_start + T - 1) z = key_start + T - 1;
             if (a > z) continue;
             float bm = -INFINITY;
-            int s = 0;
-            for (int64_t j = a; j <= z; j++) {
-                const char* kj = seg_row(kv, &s, SEG_K, g, j - key_start, es);
-                float s = dot(qf + r * D, kj, D, is_bf16) * scale;
-                if (softcap > 0.f) s = tanhf(s / softcap) * softcap;
-                sc[j - a] = s;
-                if (s > bm) bm = s;
+            for (int64_t j = a; j <= z;) {  /* keys in order, one segment's run at a time */
+                const char* kj;
+                int64_t step;
+                const int64_t end = j + seg_run(kv, SEG_K, g, j - key_start, z - j + 1, es, &kj, &step);
+                for (; j < end; j++, kj += step) {
+                    float s = dot(qf + r * D, kj, D, is_bf16) * scale;
+                    if (softcap > 0.f) s = tanhf(s / softcap) * softcap;
+                    sc[j - a] = s;
+                    if (s > bm) bm = s;
+                }
             }
             const float mn = bm > m[r] ? bm : m[r];
             const float alpha = expf(m[r] - mn);
             float* ar = acc + r * Dv;
             for (int64_t i = 0; i < Dv; i++) ar[i] *= alpha;
             l[r] *= alpha;
-            s = 0;
-            for (int64_t j = a; j <= z; j++) {
-                const float e = expf(sc[j - a] - mn);
-                l[r] += e;
-                const char* vj = seg_row(kv, &s, SEG_V, g, j - key_start, es);
-                axpy(ar, e, vj, Dv, is_bf16);
+            for (int64_t j = a; j <= z;) {
+                const char* vj;
+                int64_t step;
+                const int64_t end = j + seg_run(kv, SEG_V, g, j - key_start, z - j + 1, es, &vj, &step);
+                for (; j < end; j++, vj += step) {
+                    const float e = expf(sc[j - a] - mn);
+                    l[r] += e;
+                    axpy(ar, e, vj, Dv, is_bf16);
+                }
             }
             m[r] = mn;
         }
