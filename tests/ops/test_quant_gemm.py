@@ -131,6 +131,22 @@ def test_quant_linear_prefill_rows_take_the_integer_path(scheme):
     assert (few - dense[0, :3]).abs().max() < (want[0, :3].float() - dense[0, :3]).abs().max()
 
 
+@needs_vnni
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_prompt_rows_take_the_integer_path_however_few(scheme):
+    """Inside `prompt_rows` a call of 1 or 5 rows computes them as the one-piece prefill does, bit for
+    bit; outside, the same rows take the decode kernel (bf16 activations) and differ."""
+    layer = _layer(128, 45, scheme)
+    x = _x(35, 128)
+    whole = layer(x)
+    with quant_gemm.prompt_rows():
+        assert quant_gemm.prompt_rows_on()
+        assert torch.equal(layer(x[30:]), whole[30:])
+        assert torch.equal(layer(x[None, 3:4]), whole[None, 3:4])
+    assert not quant_gemm.prompt_rows_on()
+    assert not torch.equal(layer(x[30:]), whole[30:])
+
+
 def test_quant_linear_float32_prefill_keeps_the_dequantized_path():
     layer = _layer(64, 20, "int8")
     x = _x(FEW_TOKENS + 3, 64).float()

@@ -54,6 +54,7 @@ from hybridlm.engine.stats import EngineStats
 from hybridlm.engine.stop import StopStrings
 from hybridlm.models.base import CausalLM, forward_packed
 from hybridlm.models.tokenizer import IncrementalDecoder, Tokenizer
+from hybridlm.ops.quant_gemm import prompt_rows
 from hybridlm.ops.sampling import apply_penalties, sample, token_logprobs
 from hybridlm.prefix.cache import PrefixCache, Session
 from hybridlm.runtime import keep_freed_memory
@@ -668,6 +669,7 @@ class Engine:
         running.prefill_pos = pos + len(piece)
         return logits if running.prefill_pos == len(ids) else None
 
+    @prompt_rows()  # quantized layers compute every chunk's rows as a one-piece prefill does
     def _forward(
         self, running: _Running, caches: list[LayerCache | None], ids: list[int], offset: int
     ) -> torch.Tensor:

@@ -13,7 +13,8 @@ bf16 weight's bytes, int4 (with one bf16 scale per group of 64) reads 4.25 bits 
 Few-row bf16 CPU inputs (decode, speculative verify: up to ``FEW_TOKENS`` rows) run the C kernels of
 ``csrc/quant.c``, which read the packed weights directly and compute each row as they would alone.
 Larger bf16 CPU inputs (prefill) on a CPU with AVX-512 VNNI quantize their activations to int8 per
-row and multiply in integers (`quant_gemm`: about 4× the bf16 GEMM's speed without AMX). Elsewhere
+row and multiply in integers (`quant_gemm`: about 4× the bf16 GEMM's speed without AMX), and so do
+prompt rows of any number inside `quant_gemm.prompt_rows` (the engine's prefill chunks). Elsewhere
 they dequantize the weight to bf16 in slabs of rows and use the bf16 GEMM (``F.linear``); so do
 other devices and dtypes (where the whole weight is dequantized by torch).
 """
@@ -29,7 +30,7 @@ from torch import nn
 
 from hybridlm.ops.linear import in_row_groups, rowwise_applies
 from hybridlm.ops.native import FEW_TOKENS, NativeKernel
-from hybridlm.ops.quant_gemm import int4_prefill, int8_prefill, prefill_applies
+from hybridlm.ops.quant_gemm import int4_prefill, int8_prefill, prefill_applies, prompt_rows_on
 
 __all__ = [
     "QUANTIZATIONS", "QuantLinear", "from_panels", "pack_int4", "quantize_", "to_panels", "unpack_int4",
@@ -279,13 +280,18 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out] in x's dtype; few-row bf16 CPU inputs accumulate in float32
         and round once."""
+        if prompt_rows_on() and self._integer_applies(x):
+            # prompt rows, however few: the numbers a one-piece prefill gives them (quant_gemm)
+            y = self._forward_integer(x.reshape(-1, self.in_features))
+            if y is not None:
+                return y.view(*x.shape[:-1], self.out_features)
         fn = (INT8_KERNEL if self.bits == 8 else INT4_KERNEL).get() if self._kernel_applies(x) else None
         if fn is None:
             if rowwise_applies(x):
                 # Packed decode rows of many sequences: each row as a one-row call computes it.
                 group = FEW_TOKENS if self._kernel_applies(x.reshape(-1, self.in_features)[:1]) else 1
                 return in_row_groups(x, group, self.forward, self.out_features)
-            if prefill_applies(x, self.qweight) and (self.bias is None or self.bias.dtype is torch.bfloat16):
+            if self._integer_applies(x):
                 y = self._forward_integer(x.reshape(-1, self.in_features))
                 if y is not None:
                     return y.view(*x.shape[:-1], self.out_features)
@@ -304,6 +310,9 @@ class QuantLinear(nn.Module):
             fp16 = int(scales.dtype is torch.float16)
             fn(x.data_ptr(), rows, q, s, fp16, bias, y.data_ptr(), n, k, self.group_size, threads)
         return y
+
+    def _integer_applies(self, x: torch.Tensor) -> bool:
+        return prefill_applies(x, self.qweight) and (self.bias is None or self.bias.dtype is torch.bfloat16)
 
     def _forward_integer(self, x: torch.Tensor) -> torch.Tensor | None:
         """x [M, in] bf16 -> [M, out] bf16 by int8 activations (`quant_gemm`); None where the

@@ -25,12 +25,18 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
 from hybridlm.ops.native import NativeKernel
 
-__all__ = ["int4_prefill", "int8_prefill", "prefill_applies", "quantize_activations", "vnni"]
+__all__ = [
+    "int4_prefill", "int8_prefill", "prefill_applies", "prompt_rows", "prompt_rows_on",
+    "quantize_activations", "vnni",
+]
 
 # Inputs per activation scale against int8 weights. Measured on the random Qwen3.5-0.8B preset (512
 # positions, KL to bf16 / top-1): bf16 activations 0.0026 / 73 %; int8 per row 0.0098 / 56 %, per 256
@@ -63,6 +69,28 @@ def vnni() -> bool:
     """Whether this CPU has AVX-512 VNNI (the int4 kernel built for it), i.e. integer prefill pays."""
     fn = AVAILABLE.get()
     return fn is not None and bool(fn())
+
+
+_PROMPT = threading.local()
+
+
+@contextmanager
+def prompt_rows() -> Iterator[None]:
+    """Inside, (on this thread) every row is a prompt row: `QuantLinear` takes the integer path however
+    few rows a call has, so a prompt suffix after a cached prefix (or any prefill chunk) computes each
+    row exactly as a one-piece prefill does. The engine runs its prefill chunks under it; decode and
+    verify rows stay outside, on the bf16-activation decode kernels."""
+    before = getattr(_PROMPT, "on", False)
+    _PROMPT.on = True
+    try:
+        yield
+    finally:
+        _PROMPT.on = before
+
+
+def prompt_rows_on() -> bool:
+    """Whether this thread runs inside `prompt_rows`."""
+    return getattr(_PROMPT, "on", False)
 
 
 def prefill_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
