@@ -68,7 +68,7 @@ def main() -> None:
     share = KVCache.share
     for _ in range(args.runs):
         for mode in ("copy", "cow"):
-            KVCache.share = share if mode == "cow" else (lambda self, block=0: None)
+            KVCache.share = share if mode == "cow" else (lambda self, block=0: False)
             try:
                 source = filled_caches(model, args.prompt, rows)
                 fresh = [model.make_caches(1) for _ in range(args.n - 1)]
@@ -87,7 +87,7 @@ def main() -> None:
     batch = Batch.single([0], args.prompt - 1)
     kernel: dict[str, list[float]] = {"one buffer": [], "shared + own": []}
     for _ in range(50):
-        pair = {"k": k[:, :, split:], "v": v[:, :, split:], "prefix": (k[:, :, :split], v[:, :, :split])}
+        pair = {"k": k[:, :, split:], "v": v[:, :, split:], "prefix": [(k[:, :, :split], v[:, :, :split])]}
         for name, kw in (("one buffer", {"k": k, "v": v}), ("shared + own", pair)):
             t0 = time.perf_counter()
             attention(q, batch=batch, key_start=0, scale=head_dim**-0.5, **kw)

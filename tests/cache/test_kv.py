@@ -86,9 +86,10 @@ def reach(snap: RowsSnapshot) -> list[int]:
 def check_history(hist, paths: list[list[int]], offsets: list[int], lens: list[int], window) -> None:
     """The history of one update: every query of row b sees its window, equal to row b's truth."""
     assert hist.window == window
-    if hist.prefix is not None:  # a fork reads its shared rows first: check them as one buffer
-        keys, values = (torch.cat([p, own], dim=2) for p, own in zip(hist.prefix, hist[:2], strict=True))
-        hist = hist._replace(keys=keys, values=values, prefix=None)
+    if hist.prefix:  # shared segments come first: check them and the own rows as one buffer
+        keys = torch.cat([k for k, _ in hist.prefix] + [hist.keys], dim=2)
+        values = torch.cat([v for _, v in hist.prefix] + [hist.values], dim=2)
+        hist = hist._replace(keys=keys, values=values, prefix=())
     ks, width = hist.key_start, hist.keys.shape[2]
     assert hist.values.shape[2] == width
     if window is None:
@@ -626,8 +627,9 @@ class Entry:
 
 class RowsMachine(RuleBasedStateMachine):
     """Random writes, snapshots, rewinds, restores, splits, merges, compactions and frees against
-    the list-of-rows truth; forks sharing rows copy-on-write (`share` / `attach`) are driven by the
-    same rules and must hold exactly the rows a private copy would."""
+    the list-of-rows truth; forks sharing rows copy-on-write (`share` / `attach`) and restores that
+    read a snapshot's rows as a segment (`shares_restores`, chains of them: multi-segment caches)
+    are driven by the same rules and must hold exactly the rows a private copy would."""
 
     window: int | None = None
 
@@ -644,7 +646,7 @@ class RowsMachine(RuleBasedStateMachine):
         self.last_write = 0  # rewinds to offsets at or after this are guaranteed to work
         self.checks = 0
         self.forks: list[tuple[KVCache, list[int], int]] = []  # the other caches: cache, path, last write
-        self.frozen: list[tuple[SharedRows, torch.Tensor, torch.Tensor]] = []  # shared rows as shared
+        self.frozen: dict[int, tuple[SharedRows, torch.Tensor, torch.Tensor]] = {}  # segments as first seen
 
     # -- bookkeeping
     def _grew(self, delta: int) -> None:
@@ -727,13 +729,14 @@ class RowsMachine(RuleBasedStateMachine):
             self._assert_unchanged(before)
 
     @precondition(lambda self: self.entries)
-    @rule(data=st.data())
-    def restore(self, data):
+    @rule(data=st.data(), share=st.booleans())
+    def restore(self, data, share):
         e = data.draw(st.sampled_from(self.entries))
         snap = e.snap
         t = data.draw(st.integers(snap.start - 1, snap.end + 1))
         low = window_low(self.window, t)
         before = self._signature()
+        self.cache.shares_restores = share
         ok = self.cache.restore(snap, t)
         if self.window is None:
             alone = snap.start == 0
@@ -807,15 +810,14 @@ class RowsMachine(RuleBasedStateMachine):
     @precondition(lambda self: len(self.forks) < 3)
     @rule(block=st.sampled_from([1, 2, 4]))
     def fork(self, block):
-        shared = self.cache.share(block)
-        if shared is None:
-            assert self.cache.offset // block * block <= max(self.cache.first_held, self.cache.valid_from)
+        c, split = self.cache, self.cache.offset // block * block
+        if not c.share(block):
+            assert split <= max(c.start_pos, c.valid_from) and not c.segments
             return
-        assert shared.end == self.cache.offset // block * block
-        if all(f[0] is not shared for f in self.frozen):
-            self.frozen.append((shared, shared.k.clone(), shared.v.clone()))
-        other = self.new_cache(self.cache.step)
-        other.attach(shared, self.cache)
+        assert c.segments[-1].end == c.start_pos
+        assert c.start_pos >= split or c.valid_from >= split  # (what lies below valid_from is off the path)
+        other = self.new_cache(c.step)
+        other.attach(c)
         self.forks.append((other, list(self.path), other.offset))
 
     @precondition(lambda self: self.forks)
@@ -846,12 +848,20 @@ class RowsMachine(RuleBasedStateMachine):
         caches = [self.cache, *(f[0] for f in self.forks)]
         for other, path, _ in self.forks:
             assert_live(other, path)
-        for shared, k, v in self.frozen:
-            assert torch.equal(shared.k.nan_to_num(7.0), k.nan_to_num(7.0))
-            assert torch.equal(shared.v.nan_to_num(7.0), v.nan_to_num(7.0))
-            assert shared.holders == sum(c.shared is shared for c in caches)
-        buffers = {c.shared.k.untyped_storage().data_ptr(): c.shared for c in caches if c.shared is not None}
-        assert held_bytes(caches) == sum(c.nbytes for c in caches) + sum(s.nbytes for s in buffers.values())
+        for c in caches:
+            assert [s.end for s in c.segments[:-1]] == [s.start for s in c.segments[1:]]
+            assert not c.segments or c.segments[-1].end == c.start_pos
+            for seg in c.segments:
+                if id(seg) not in self.frozen:
+                    self.frozen[id(seg)] = (seg, seg.k.clone(), seg.v.clone())
+        for seg, k, v in self.frozen.values():
+            assert torch.equal(seg.k.nan_to_num(7.0), k.nan_to_num(7.0)), "a shared row changed"
+            assert torch.equal(seg.v.nan_to_num(7.0), v.nan_to_num(7.0)), "a shared row changed"
+            assert seg.holders == sum(s is seg for c in caches for s in c.segments)
+        for e in self.entries:
+            assert e.snap.readers == sum(s.source is e.snap for c in caches for s in c.segments)
+        buffers = {s.storage: s.nbytes for c in caches for s in c.segments if not s.in_trie}
+        assert held_bytes(caches) == sum(c.nbytes for c in caches) + sum(buffers.values())
 
     @invariant()
     def bytes_are_accounted(self):

@@ -177,12 +177,20 @@ def run_machine(monkeypatch, lm, with_prefix: bool) -> dict[str, int]:
 
     attach = KVCache.attach
 
-    def watched_attach(cache, shared, source):
+    def watched_attach(cache, source):
         BatchingMachine._note("shared", 1)  # a fork reads its prompt's rows from a shared buffer
-        return attach(cache, shared, source)
+        return attach(cache, source)
+
+    adopt = KVCache._adopt
+
+    def watched_adopt(cache, *args):
+        adopted = adopt(cache, *args)
+        BatchingMachine._note("trie_shared", int(adopted))  # a restore read a trie node's rows as a segment
+        return adopted
 
     monkeypatch.setattr(engine_module, "forward_packed", watched)
     monkeypatch.setattr(KVCache, "attach", watched_attach)
+    monkeypatch.setattr(KVCache, "_adopt", watched_adopt)
     BatchingMachine.lm = lm
     BatchingMachine.with_prefix = with_prefix
     BatchingMachine.solo_cache = {}
@@ -216,3 +224,4 @@ def test_outputs_do_not_depend_on_what_else_runs(demo_dir, dtype, with_prefix, m
     assert seen["verify_segments"] >= 2 and seen["mixed"], seen
     assert seen["shared"], seen  # n > 1 choices shared their prompt's KV rows
     assert seen.get("hit") or not with_prefix
+    assert seen.get("trie_shared") or not with_prefix  # a restore read a trie node's rows in place

@@ -124,8 +124,8 @@ def test_choices_of_a_long_prompt_share_its_kv_rows(model, chat_ids, monkeypatch
     layers = [list(layer) for layer in zip(*held.values(), strict=True) if isinstance(layer[0], KVCache)]
     assert layers
     for layer in layers:
-        shared = layer[0].shared
-        assert all(c.shared is shared for c in layer) and shared.holders == 4
+        (shared,) = layer[0].segments
+        assert all(c.segments == [shared] for c in layer) and shared.holders == 4
         assert (shared.start, shared.end) == (0, split)
         row = shared.k[0, :, 0].numel() * shared.k.element_size() * 2  # a position's key + value
         prompt_buffer = -(-len(ids) // layer[0].step) * layer[0].step * row

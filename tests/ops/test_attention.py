@@ -91,24 +91,37 @@ def test_many_queries_use_sdpa(monkeypatch):
     torch.testing.assert_close(got.double(), ref, atol=1e-5, rtol=1e-5)
 
 
+def segmented(k, v, cuts, seed):
+    """`k`, `v` [B, H, T, D] cut at key rows `cuts` into segments, each a strided view of a buffer of
+    its own (as caches hold them: a trie snapshot, a frozen fork buffer, the own buffer with slack)."""
+    gen = torch.Generator().manual_seed(seed)
+    out, bounds = [], [0, *cuts, k.shape[2]]
+    for a, b in zip(bounds, bounds[1:], strict=False):
+        n, slack = b - a, int(torch.randint(0, 40, (1,), generator=gen))
+        bk = torch.randn(k.shape[0], k.shape[1], n + slack, k.shape[3], generator=gen).to(k.dtype)
+        bv = torch.randn(v.shape[0], v.shape[1], n + slack, v.shape[3], generator=gen).to(v.dtype)
+        bk[:, :, :n], bv[:, :, :n] = k[:, :, a:b], v[:, :, a:b]
+        out.append((bk[:, :, :n], bv[:, :, :n]))
+    return out
+
+
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("L", "window", "softcap"), [(1, None, None), (9, None, 30.0), (4, 100, None)])
-@pytest.mark.parametrize("split", [KEY_BLOCK, 2 * KEY_BLOCK, 3 * KEY_BLOCK, 100])
-def test_split_buffers_give_the_single_buffers_bits(dtype, L, window, softcap, split):
-    """A shared prefix buffer then the sequence's own buffer (copy-on-write) read as one: the same
-    bits as the single buffer, for splits at key blocks (what caches use) and off them."""
+@pytest.mark.parametrize(
+    "cuts", [(KEY_BLOCK,), (2 * KEY_BLOCK,), (90,), (54, 118, 182), (1, 2, 100, 101, 200, 229), (3, 3, 150)]
+)
+def test_segments_give_the_single_buffers_bits(dtype, L, window, softcap, cuts):
+    """Shared segments then the sequence's own buffer (copy-on-write) read as one: the same bits as
+    the single buffer, for cuts at key blocks and off them, one segment or many (empty ones too)."""
     T, key_start = 230, 10
-    q, k, v = inputs(1, 8, 2, L, T, 64, dtype, seed=split + L)
-    own_k, own_v = torch.randn(1, 2, 300, 64).to(dtype), torch.randn(1, 2, 300, 64).to(dtype)
-    cut = split - key_start
-    own_k[:, :, : T - cut], own_v[:, :, : T - cut] = k[:, :, cut:], v[:, :, cut:]  # a strided own buffer
-    batch = Batch.single([0] * L, offset=key_start + T - L)
+    q, k, v = inputs(2, 8, 2, L, T, 64, dtype, seed=sum(cuts) + L)
+    batch = Batch.ragged([[0] * L] * 2, [key_start + T - L, key_start + T - L - 7])
     kw = dict(key_start=key_start, scale=0.125, window=window, softcap=softcap)
     one = attention(q, k, v, batch, **kw)
-    prefix = (k[:, :, :cut], v[:, :, :cut])
-    two = attention(q, own_k[:, :, : T - cut], own_v[:, :, : T - cut], batch, prefix=prefix, **kw)
-    assert torch.equal(one, two)
+    *prefix, (own_k, own_v) = segmented(k, v, list(cuts), seed=len(cuts))
+    many = attention(q, own_k, own_v, batch, prefix=prefix, **kw)
+    assert torch.equal(one, many)
 
 
 def test_split_buffers_are_joined_where_the_kernel_does_not_run(monkeypatch):
@@ -116,9 +129,9 @@ def test_split_buffers_are_joined_where_the_kernel_does_not_run(monkeypatch):
     q, k, v = inputs(1, 4, 2, 30, 130, 32, torch.float32, seed=9)
     batch = Batch.single([0] * 30, offset=100)
     one = attention(q, k, v, batch, key_start=0, scale=0.2)
-    prefix = (k[:, :, :64], v[:, :, :64])
-    two = attention(q, k[:, :, 64:], v[:, :, 64:], batch, key_start=0, scale=0.2, prefix=prefix)
-    assert torch.equal(one, two)
+    prefix = [(k[:, :, :40], v[:, :, :40]), (k[:, :, 40:64], v[:, :, 40:64])]
+    many = attention(q, k[:, :, 64:], v[:, :, 64:], batch, key_start=0, scale=0.2, prefix=prefix)
+    assert torch.equal(one, many)
 
 
 @needs_kernel
@@ -131,8 +144,8 @@ def test_split_buffers_are_joined_where_the_kernel_does_not_run(monkeypatch):
 )
 def test_property_packed_attention_equals_each_sequence_alone_bitwise(n_seq, dtype, softcap, data):
     """Several sequences' queries (1 to KERNEL_MAX_QUERIES each) packed in one call, each over its own
-    keys / values (a view into a larger buffer, at its own key_start, maybe after a shared prefix
-    split anywhere, maybe windowed): each sequence's output equals, bit for bit, its own `attention`
+    keys / values (a view into a larger buffer, at its own key_start, maybe after shared segments
+    cut anywhere, maybe windowed): each sequence's output equals, bit for bit, its own `attention`
     call, and lies within float64-reference tolerance."""
     Hq, Hkv, D = 4, 2, 32
     g = torch.Generator().manual_seed(n_seq)
@@ -140,14 +153,15 @@ def test_property_packed_attention_equals_each_sequence_alone_bitwise(n_seq, dty
     for _ in range(n_seq):
         L = data.draw(st.integers(1, KERNEL_MAX_QUERIES), label="queries")
         T = data.draw(st.integers(L, 150), label="keys")
-        P = data.draw(st.integers(0, T - L), label="prefix rows")
+        cuts = sorted(data.draw(st.lists(st.integers(0, T - L), max_size=3), label="segment cuts"))
         key_start = data.draw(st.integers(0, 70), label="key_start")
         window = data.draw(st.sampled_from([None, 8, 64]), label="window")
         keys = torch.randn(1, Hkv, T + 5, D, generator=g).to(dtype)
         values = torch.randn(1, Hkv, T + 5, D, generator=g).to(dtype)
-        prefix = (keys[:, :, :P], values[:, :, :P]) if P else None
-        own_k, own_v = (keys[:, :, P:T], values[:, :, P:T]) if P else (keys[:, :, :T], values[:, :, :T])
-        hists.append(AttentionHistory(own_k, own_v, key_start, window, prefix))
+        bounds = [0, *cuts, T]
+        pieces = [(keys[:, :, a:b], values[:, :, a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
+        *prefix, (own_k, own_v) = pieces
+        hists.append(AttentionHistory(own_k, own_v, key_start, window, tuple(prefix)))
         lens.append(L)
         positions.append(key_start + T - L)
         qs.append(torch.randn(1, Hq, L, D, generator=g).to(dtype))
@@ -160,8 +174,8 @@ def test_property_packed_attention_equals_each_sequence_alone_bitwise(n_seq, dty
         want = attention(qs[i], h.keys, h.values, alone, key_start=h.key_start, scale=D**-0.5,
                          window=h.window, softcap=softcap, prefix=h.prefix)
         assert torch.equal(out[:, :, lo : lo + n], want)
-        keys = h.keys if h.prefix is None else torch.cat([h.prefix[0], h.keys], dim=2)
-        values = h.values if h.prefix is None else torch.cat([h.prefix[1], h.values], dim=2)
+        keys = torch.cat([k for k, _ in h.prefix] + [h.keys], dim=2)
+        values = torch.cat([v for _, v in h.prefix] + [h.values], dim=2)
         ref = reference(qs[i], keys, values, alone, h.key_start, D**-0.5, h.window, softcap)
         tol = 1e-5 if dtype is torch.float32 else 2e-2
         torch.testing.assert_close(want.double(), ref, atol=tol, rtol=tol)

@@ -26,11 +26,9 @@ def fork_caches(
         if src is None:
             continue
         end = src.offset
-        if isinstance(src, KVCache) and type(dst) is type(src):
-            shared = src.share()
-            if shared is not None:
-                dst.attach(shared, src)
-                continue
+        if isinstance(src, KVCache) and type(dst) is type(src) and src.share():
+            dst.attach(src)
+            continue
         if isinstance(src, ScanCache):
             # A checkpoint naming the live tensors (restore copies them): `snapshot` would reset the
             # source's input log, which its prefix-cache session still needs.

@@ -6,11 +6,13 @@ that no future query can see when it needs room, so it holds at most `window - 1
 rows. Snapshots are rows too, and start *lazy*: they name a range of the live buffer and own no
 bytes until a write (or a trim) is about to destroy that range, when they copy it out.
 
-Copy-on-write: caches forked from one sequence (`share`, `attach`) read the rows before a split
-point from one read-only `SharedRows` buffer and hold their own rows after it (the buffer then
-starts at `start_pos` = the split). The split is the fork offset rounded down to the attention
-kernel's key block, a function of the forked sequence alone. A write below the split detaches
-(the cache copies the shared rows into a buffer of its own first).
+Copy-on-write: a cache may read its first rows from an ordered list of read-only `SharedRows`
+segments (consecutive positions, the last ending at `start_pos`) and hold its own rows after them.
+Segments come from a fork (`share`, `attach`: the rows before the fork offset rounded down to the
+attention kernel's key block, a function of the forked sequence alone) and from restoring trie
+snapshots (`restore` names a snapshot's rows instead of copying them; a lazy snapshot is frozen
+first). A write below `start_pos` cuts the segments there (`_cut`: the rows below stay shared, the
+rows from the write on become the cache's own).
 """
 
 from __future__ import annotations
@@ -21,48 +23,85 @@ import torch
 
 from hybridlm.batch import Batch
 from hybridlm.cache.base import LayerCache, Snapshot, tensor_bytes
-from hybridlm.ops.attention import KEY_BLOCK
+from hybridlm.ops.attention import KEY_BLOCK, KeySegment
 
 
 class AttentionHistory(NamedTuple):
     """What an attention layer sees: keys/values [B, H, T, D] at absolute positions
-    [key_start, key_start + T), and the window its mask must enforce (None: causal only). With a
-    `prefix` (keys, values) [B, H, P, D] (a shared read-only buffer's rows), the prefix holds
-    [key_start, key_start + P) and keys/values the positions after it."""
+    [key_start, key_start + T), and the window its mask must enforce (None: causal only). With
+    `prefix` segments ((keys, values) [B, H, P_i, D] each: shared read-only rows, in order), the
+    segments hold [key_start, key_start + ΣP_i) and keys/values the positions after them."""
 
     keys: torch.Tensor
     values: torch.Tensor
     key_start: int
     window: int | None
-    prefix: tuple[torch.Tensor, torch.Tensor] | None = None
+    prefix: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
 
     def after(self, start: int) -> AttentionHistory:
         """The history without the positions before `start` (no copy)."""
-        cut = start - self.key_start
-        if cut <= 0:
+        if start <= self.key_start:
             return self
-        if self.prefix is None or cut >= self.prefix[0].shape[2]:
-            own = cut - (0 if self.prefix is None else self.prefix[0].shape[2])
-            return AttentionHistory(self.keys[:, :, own:], self.values[:, :, own:], start, self.window)
-        prefix = (self.prefix[0][:, :, cut:], self.prefix[1][:, :, cut:])
-        return AttentionHistory(self.keys, self.values, start, self.window, prefix)
+        pos, prefix = self.key_start, []
+        for k, v in self.prefix:
+            n = k.shape[2]
+            if pos + n > start:
+                cut = max(0, start - pos)
+                prefix.append((k[:, :, cut:], v[:, :, cut:]))
+            pos += n
+        cut = max(0, start - pos)
+        keys, values = self.keys[:, :, cut:], self.values[:, :, cut:]
+        return AttentionHistory(keys, values, start, self.window, tuple(prefix))
 
 
 class SharedRows:
-    """Read-only key/value rows of positions [start, end), shared by the caches forked from one
-    sequence (`KVCache.share`); `holders` counts the caches reading them. Nothing writes to `k`, `v`
-    once shared: a cache that must change a row below `end` copies them first (`KVCache._detach`)."""
+    """Read-only key/value rows of positions [start, end) that several caches read (copy-on-write
+    segments): a forked sequence's frozen buffer (`KVCache.share`) or a trie snapshot's rows
+    (`source`, restored by `KVCache.restore`). `holders` counts the caches reading them. Nothing
+    writes to `k`, `v`: a cache that must change a row below `end` cuts its segments (`KVCache._cut`).
+    The tensors stay alive while a holder reads them, whatever happens to `source` (evicted, paged to
+    disk, split): only the accounting changes (`held_bytes`)."""
 
-    def __init__(self, start: int, k: torch.Tensor, v: torch.Tensor):
+    def __init__(self, start: int, k: torch.Tensor, v: torch.Tensor, source: RowsSnapshot | None = None):
         self.start, self.end = start, start + k.shape[2]
         self.k, self.v = k, v
+        self.pair = KeySegment(k, v)  # what attention reads (its kernel fields computed once)
+        self.source = source
         self.holders = 0
 
     @property
     def nbytes(self) -> int:
-        """Bytes kept alive: the whole buffers `k`, `v` view (the frozen buffer of the sequence that
-        shared them, its growth slack included)."""
+        """Bytes kept alive: the whole buffers `k`, `v` view (a frozen buffer's growth slack included)."""
         return self.k.untyped_storage().nbytes() + self.v.untyped_storage().nbytes()
+
+    @property
+    def storage(self) -> int:
+        """Identity of the buffer viewed (segments cut from one buffer share it)."""
+        return self.k.untyped_storage().data_ptr()
+
+    @property
+    def in_trie(self) -> bool:
+        """Whether a trie snapshot still owns (and the RAM budget counts) these rows' buffer."""
+        src = self.source
+        return src is not None and not src.closed and src.k is not None and (
+            src.k.untyped_storage().data_ptr() == self.storage
+        )
+
+    def hold(self) -> SharedRows:
+        self.holders += 1
+        if self.source is not None:
+            self.source.readers += 1
+        return self
+
+    def release(self) -> None:
+        self.holders -= 1
+        if self.source is not None:
+            self.source.readers -= 1
+
+    def head(self, end: int) -> SharedRows:
+        """The rows before `end` (a view of the same buffer, not yet held)."""
+        n = end - self.start
+        return SharedRows(self.start, self.k[:, :, :n], self.v[:, :, :n], self.source)
 
 
 class RowsSnapshot(Snapshot):
@@ -76,6 +115,7 @@ class RowsSnapshot(Snapshot):
         self.start, self.end, self.rows_start, self.window = start, end, rows_start, window
         self.owner: KVCache | None = owner
         self.k, self.v = k, v
+        self.readers = 0  # live caches reading `k`, `v` as a segment (`SharedRows.source`)
 
     kind = "rows"
 
@@ -155,10 +195,17 @@ class RowsSnapshot(Snapshot):
 
 
 def held_bytes(caches) -> int:
-    """Bytes the caches keep alive, each shared buffer counted once (None entries count 0)."""
-    held = [c.shared for c in caches if getattr(c, "shared", None) is not None]
-    shared = {s.k.untyped_storage().data_ptr(): s.nbytes for s in held}  # a re-share views the same buffer
+    """Bytes the caches keep alive, each shared buffer counted once (None entries count 0) and
+    segments a trie snapshot owns not at all (the RAM budget counts those)."""
+    shared = {}
+    for c in caches:
+        for seg in getattr(c, "segments", ()):
+            if not seg.in_trie:
+                shared[seg.storage] = seg.nbytes
     return sum(c.nbytes for c in caches if c is not None) + sum(shared.values())
+
+
+_END = 1 << 62  # past every position
 
 
 class KVCache(LayerCache):
@@ -174,7 +221,11 @@ class KVCache(LayerCache):
         self.start_pos = 0
         self.valid_from = 0
         self._lazy: list[RowsSnapshot] = []
-        self.shared: SharedRows | None = None  # rows before `start_pos`, read-only (copy-on-write)
+        # Rows before `start_pos`, read-only (copy-on-write): consecutive, the last ending at start_pos.
+        self.segments: list[SharedRows] = []
+        # Whether `restore` reads a snapshot's rows as a segment instead of copying them (the prefix
+        # cache's slots: trie snapshots that several sessions restore).
+        self.shares_restores = False
 
     # ---- storage -------------------------------------------------------------------------
     @property
@@ -190,81 +241,119 @@ class KVCache(LayerCache):
     @property
     def first_held(self) -> int:
         """The first position whose row the cache holds (shared or own)."""
-        return self.start_pos if self.shared is None else self.shared.start
+        return self.segments[0].start if self.segments else self.start_pos
+
+    def _pieces(self, lo: int, hi: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Views of the rows of positions [lo, hi) (lo < hi), one per segment or buffer they span."""
+        held_hi = self.start_pos + self.capacity
+        if lo < self.first_held or hi > held_hi:
+            raise IndexError(f"rows [{lo}, {hi}) are not held (held: [{self.first_held}, {held_hi}))")
+        out = []
+        for seg in self.segments:
+            a, b = max(lo, seg.start) - seg.start, min(hi, seg.end) - seg.start
+            if a < b:  # a whole segment (the common case) needs no new view every step
+                whole = a == 0 and b == seg.end - seg.start
+                out.append(seg.pair if whole else (seg.k[:, :, a:b], seg.v[:, :, a:b]))
+        a, b = max(lo, self.start_pos) - self.start_pos, hi - self.start_pos
+        if a < b:
+            out.append((self.k[:, :, a:b], self.v[:, :, a:b]))
+        return out
 
     def rows(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows of positions [lo, hi): views, or a concatenation (a copy) when they span the split."""
-        if self.shared is not None and lo < self.start_pos and lo < hi:
-            shared = self.shared
-            if lo < shared.start:
-                raise IndexError(f"rows [{lo}, {hi}) are not held (shared rows start at {shared.start})")
-            i, j = lo - shared.start, hi - shared.start
-            sk, sv = shared.k[:, :, i:j], shared.v[:, :, i:j]
-            if hi <= self.start_pos:
-                return sk, sv
-            ok, ov = self.rows(self.start_pos, hi)
-            return torch.cat([sk, ok], dim=2), torch.cat([sv, ov], dim=2)
-        if lo >= hi and self.k is None and self.shared is not None:  # no rows, no own buffer
-            return self.shared.k[:, :, :0], self.shared.v[:, :, :0]
-        i, j = lo - self.start_pos, hi - self.start_pos
-        if lo >= hi and self.k is not None:  # no rows: wherever they would be
-            i = j = 0
-        if i < 0 or j > self.capacity:
-            raise IndexError(f"rows [{lo}, {hi}) are not held (buffer holds from {self.start_pos})")
-        return self.k[:, :, i:j], self.v[:, :, i:j]
+        """Rows of positions [lo, hi): views, or a concatenation (a copy) when they span segments."""
+        if lo >= hi:  # no rows: wherever they would be
+            if self.k is not None:
+                return self.k[:, :, :0], self.v[:, :, :0]
+            if self.segments:
+                return self.segments[-1].k[:, :, :0], self.segments[-1].v[:, :, :0]
+            raise IndexError("no rows are held")
+        pieces = self._pieces(lo, hi)
+        if len(pieces) == 1:
+            return pieces[0]
+        return torch.cat([k for k, _ in pieces], dim=2), torch.cat([v for _, v in pieces], dim=2)
 
     # ---- copy-on-write ---------------------------------------------------------------------
-    def share(self, block: int = KEY_BLOCK) -> SharedRows | None:
-        """Make the rows before `offset` rounded down to `block` a read-only `SharedRows` that forks
-        of this cache `attach` to (this cache reads them from there too), or None when there are
-        none to share. The rows become shared without a copy: the current buffer is frozen (only the
-        shared views keep it) and this cache continues in a new buffer holding the rows after the
-        split (fewer than `block` rows are copied)."""
+    def share(self, block: int = KEY_BLOCK) -> bool:
+        """Make the own rows before `offset` rounded down to `block` a read-only segment that forks
+        of this cache `attach` to (this cache reads them from there too); False when the cache then
+        reads no segments (nothing to share). The rows become shared without a copy: the current
+        buffer is frozen (only the segment's views keep it) and this cache continues in a new buffer
+        holding the rows after the split (fewer than `block` rows are copied, plus rows lazy snapshots
+        name past the offset)."""
         end = self.offset
         split = end // block * block
-        if self.shared is not None and self.shared.end == split:
-            return self.shared
-        first = max(self.first_held, self.valid_from)
-        if split <= first:
-            return None
-        keep_hi = max([end, *(s.end for s in self._lazy)])  # lazy snapshots may name rows past `end`
-        k, v = self.rows(first, split)
-        shared = SharedRows(first, k, v)
-        tail_k, tail_v = self.rows(split, min(keep_hi, self.start_pos + self.capacity))
-        self._release_shared()
-        self._attach_shared(shared)
-        self._own_rows(split, tail_k.clone(), tail_v.clone())
-        return shared
+        lo = max(self.start_pos, self.valid_from)
+        if split > lo and self.k is not None:
+            self._copy_out_lazy(self.first_held, lo)  # rows below valid_from: not on this path, not kept
+            if lo > self.start_pos:
+                self._drop_segments(lo)
+            keep_hi = max([end, *(s.end for s in self._lazy)])  # lazy snapshots may name rows past `end`
+            k, v = self.rows(lo, split)
+            tail_k, tail_v = self.rows(split, min(keep_hi, self.start_pos + self.capacity))
+            self.segments.append(SharedRows(lo, k, v).hold())
+            self._own_rows(split, tail_k.clone(), tail_v.clone())
+        return bool(self.segments)
 
-    def attach(self, shared: SharedRows, source: KVCache) -> None:
-        """Become a fork of `source` (which `share`d `shared`): read the shared rows, copy the
-        source's own rows up to its offset; this cache's previous state is dropped."""
+    def attach(self, source: KVCache) -> None:
+        """Become a fork of `source` (which `share`d its rows): read its segments, copy its own rows
+        up to its offset; this cache's previous state is dropped."""
         self.free()
-        self._attach_shared(shared)
+        self.segments = [seg.hold() for seg in source.segments]
         self.valid_from = source.valid_from
         end = source.offset
-        self._own_rows(shared.end, *source.rows(shared.end, end))
+        self._own_rows(source.start_pos, *source.rows(source.start_pos, end))
         self.offsets = [end] * self.batch_size
         self._clear_schedule_after_restore()
 
-    def _attach_shared(self, shared: SharedRows) -> None:
-        shared.holders += 1
-        self.shared = shared
+    def _drop_segments(self, upto: int) -> None:
+        """Stop reading the segments that end at or before `upto` (lazy snapshots naming them copy out)."""
+        gone = [s for s in self.segments if s.end <= upto]
+        if gone:
+            self._copy_out_lazy(gone[0].start, gone[-1].end)
+            for seg in gone:
+                seg.release()
+            self.segments = self.segments[len(gone) :]
 
-    def _release_shared(self) -> None:
-        if self.shared is not None:
-            self.shared.holders -= 1
-            self.shared = None
-
-    def _detach(self) -> None:
-        """Copy the shared rows into a buffer of this cache's own (before a write below the split)."""
-        lo = self.shared.start
-        hi = max([self.offset, self.start_pos, *(s.end for s in self._lazy)])
-        hi = min(hi, self.start_pos + self.capacity) if self.k is not None else self.start_pos
-        k, v = self.rows(lo, hi)
+    def _cut(self, lo: int) -> None:
+        """Before a write at `lo` < `start_pos`: the segment rows below `lo` stay shared; the rows from
+        `lo` up to the offsets (and those lazy snapshots name) are copied into a new own buffer."""
+        held_hi = self.start_pos + self.capacity
+        copy_lo = max(lo, self.first_held)  # (a sliding write below every held row restarts the buffer)
+        hi = max([copy_lo, *self.offsets, *(s.end for s in self._lazy)])
+        k, v = self.rows(copy_lo, min(hi, held_hi))
         k, v = k.clone(), v.clone()
-        self._release_shared()
-        self._own_rows(lo, k, v)
+        kept = []
+        for seg in self.segments:
+            if seg.end <= lo:
+                kept.append(seg)
+                continue
+            seg.release()
+            if seg.start < lo:
+                kept.append(seg.head(lo).hold())
+        self.segments = kept
+        self._own_rows(copy_lo, k, v)
+
+    def _adopt(self, snap: RowsSnapshot, lo: int, hi: int, low: int) -> bool:
+        """Restore rows [lo, hi) of `snap` (which a query at `hi` reads from `low` on) by reading them
+        as a segment, without a copy; False (nothing changed) when the cache's own rows below `lo` are
+        needed (then the caller copies). A lazy snapshot is frozen first (its rows copied out of the
+        other cache's buffer once, for every reader: the budget counts it at that size already)."""
+        if low < lo and self.start_pos < lo:
+            return False
+        covered = low < lo  # the segments hold [low, lo): keep them up to lo
+        self._copy_out_lazy(lo if covered else self.first_held, _END)
+        if snap.lazy:
+            snap.materialize()
+        kept = []
+        for seg in self.segments:
+            seg.release()
+            if covered and seg.start < lo:
+                kept.append((seg if seg.end <= lo else seg.head(lo)).hold())
+        k, v = snap.rows(lo, hi)
+        self.segments = [*kept, SharedRows(lo, k, v, source=snap).hold()]
+        self.k = self.v = None
+        self.start_pos = hi
+        return True
 
     def _own_rows(self, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Replace the own buffer by one holding `k`, `v` [B, H, n, D] as the rows of positions
@@ -301,8 +390,8 @@ class KVCache(LayerCache):
     def _write(self, lo: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write rows [lo, lo + n) for every row of the batch."""
         hi = lo + k.shape[2]
-        if self.shared is not None and lo < self.start_pos:
-            self._detach()
+        if self.segments and lo < self.start_pos:
+            self._cut(lo)
         self._make_room(lo, hi)
         self._copy_out_lazy(lo, hi)
         self._ensure(hi, k, v)
@@ -320,8 +409,8 @@ class KVCache(LayerCache):
             self._write(old[0], k, v)
         else:
             lo = min(old)
-            if self.shared is not None and lo < self.start_pos:
-                self._detach()
+            if self.segments and lo < self.start_pos:
+                self._cut(lo)
             self._make_room(lo, max(old) + length)
             self._copy_out_lazy(lo, max(old) + length)
             self._ensure(max(old) + length, k, v)
@@ -335,21 +424,12 @@ class KVCache(LayerCache):
         hi = max(old) + length
         first = self.first_held
         lo = first if self.window is None else max(first, min(old) - self.window + 1)
-        spanned = self._scheduled and self._capture_from < self.start_pos  # by a range capture to come
-        if self.shared is not None and self.window is not None and lo >= self.start_pos and not spanned:
-            self._drop_shared()  # no query reads the shared rows any more
-        if lo < self.start_pos:  # the kernel walks the shared rows then the own rows as one buffer
-            shared = self.shared
-            prefix = (shared.k[:, :, lo - shared.start :], shared.v[:, :, lo - shared.start :])
-            keys, values = self.rows(self.start_pos, hi)
-            return AttentionHistory(keys, values, lo, self.window, prefix)
-        keys, values = self.rows(lo, hi)
-        return AttentionHistory(keys, values, lo, self.window)
-
-    def _drop_shared(self) -> None:
-        """Stop reading the shared rows (lazy snapshots naming them copy out first)."""
-        self._copy_out_lazy(self.shared.start, self.shared.end)
-        self._release_shared()
+        if self.segments and self.window is not None:
+            # No query reads the segments below the window (unless a range capture to come spans them).
+            self._drop_segments(min(lo, self._capture_from) if self._scheduled else lo)
+        # The kernel walks the segments then the own rows as one buffer.
+        pieces = self._pieces(lo, hi)
+        return AttentionHistory(*pieces[-1], lo, self.window, tuple(pieces[:-1]))
 
     def _capture(self, old: int, new: int) -> None:
         for o in self._crossed(old, new):
@@ -397,7 +477,8 @@ class KVCache(LayerCache):
             return False
         if snap.owner is not self:
             copy_lo = max(low, snap.rows_start)
-            if copy_lo < target:
+            shared = self.shares_restores and copy_lo < target and self._adopt(snap, copy_lo, target, low)
+            if copy_lo < target and not shared:
                 k, v = snap.rows(copy_lo, target)
                 self._write(copy_lo, k.clone() if snap.lazy else k, v.clone() if snap.lazy else v)
         if low >= from_cache_hi:
@@ -474,11 +555,13 @@ class KVCache(LayerCache):
         return merged
 
     def free(self) -> None:
-        if self.k is not None or self.shared is not None:  # else lazy snapshots name no rows
+        if self.k is not None or self.segments:  # else lazy snapshots name no rows
             for snap in list(self._lazy):
                 snap.materialize()
         self.k = self.v = None
-        self._release_shared()
+        for seg in self.segments:
+            seg.release()
+        self.segments = []
         self.offsets = [0] * self.batch_size
         self.start_pos = self.valid_from = 0
 
@@ -519,6 +602,7 @@ class SlidingKVCache(KVCache):
             new_start = min(new_start, max(self.start_pos, self._capture_from))
         if new_start == self.start_pos:
             return
+        self._drop_segments(new_start)  # all of them: they end at start_pos, below the window
         self._copy_out_lazy(self.start_pos, new_start)
         keep = max(0, self.start_pos + self.capacity - new_start)
         if keep:

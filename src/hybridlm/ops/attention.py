@@ -10,14 +10,15 @@ with an online softmax. SDPA's result for a query row also depends on how many r
 call (in bf16 ~20% of rows differed between a 9-row masked call and one-row calls), so a verify
 pass would not compute what decoding computes, and speculative greedy output would drift.
 
-Keys / values may come in two pieces, a read-only `prefix` shared between sequences (copy-on-write,
-`cache/kv.py`) then the sequence's own rows: the kernel walks both as one buffer (same keys, same
-order, same bits); every other path attends over their concatenation.
+Keys / values may come in pieces, read-only `prefix` segments shared between sequences (copy-on-
+write, `cache/kv.py`) then the sequence's own rows: the kernel walks them as one buffer (same keys,
+same order, same bits); every other path attends over their concatenation.
 """
 
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +32,9 @@ KERNEL = NativeKernel(
     "attention",
     "attention.c",
     "hybridlm_attention",
-    [ctypes.c_void_p] * 7 + [_i64] * 25 + [ctypes.c_float, ctypes.c_float, ctypes.c_int, ctypes.c_int],
+    [ctypes.c_void_p, ctypes.c_void_p, _i64, ctypes.c_void_p, ctypes.c_void_p]
+    + [_i64] * 12
+    + [ctypes.c_float, ctypes.c_float, ctypes.c_int, ctypes.c_int],
     ctypes.c_int,
     fallback="scaled_dot_product_attention",
 )
@@ -45,20 +48,47 @@ PACKED_KERNEL = NativeKernel(
     fallback="one call per sequence",
 )
 KERNEL_MAX_QUERIES = FEW_TOKENS
+SEG_FIELDS = 9  # int64 fields per segment of the kernel's table (csrc/attention.c SEG_FIELDS)
 # Keys per block of the kernel (csrc/attention.c `KB`); blocks are aligned to absolute positions.
 KEY_BLOCK = 64
+
+
+class KeySegment(tuple):
+    """A (keys, values) pair that is passed unchanged call after call (a shared copy-on-write segment,
+    `cache/kv.py: SharedRows`): the kernel's table fields for it are computed once."""
+
+    def __new__(cls, k: torch.Tensor, v: torch.Tensor) -> KeySegment:
+        pair = super().__new__(cls, (k, v))
+        pair.fields = _fields(k, v)
+        return pair
+
+
+def _fields(k: torch.Tensor, v: torch.Tensor) -> list[int]:
+    return [k.data_ptr(), v.data_ptr(), k.shape[2], *k.stride()[:3], *v.stride()[:3]]
+
+
+def _segment_table(segments) -> list[int]:
+    """The kernel's segment table (csrc/attention.c): per (keys, values) segment, their addresses, the
+    end of its key rows counted across the segments, and their (batch, head, row) strides."""
+    table, end = [], 0
+    for pair in segments:
+        f = pair.fields if isinstance(pair, KeySegment) else _fields(*pair)
+        end += f[2]
+        table += [f[0], f[1], end, *f[3:]]
+    return table
 
 
 def _kernel_attention(q, k, v, batch, key_start, scale, window, softcap, prefix) -> torch.Tensor | None:
     """`attention` by the C kernel, or None where it does not apply."""
     B, Hq, L, D = q.shape
-    pk, pv = prefix if prefix is not None else (k, v)
+    segments = [*prefix, (k, v)]
     if not (
         L <= KERNEL_MAX_QUERIES
         and q.is_cpu
         and q.dtype in (torch.bfloat16, torch.float32)
-        and k.dtype is v.dtype is pk.dtype is pv.dtype is q.dtype
-        and q.stride(-1) == k.stride(-1) == v.stride(-1) == pk.stride(-1) == pv.stride(-1) == 1
+        and all(sk.dtype is sv.dtype is q.dtype for sk, sv in segments)
+        and q.stride(-1) == 1
+        and all(sk.stride(-1) == sv.stride(-1) == 1 for sk, sv in segments)
         and not torch.compiler.is_compiling()
         and not (torch.is_grad_enabled() and q.requires_grad)
     ):
@@ -66,14 +96,15 @@ def _kernel_attention(q, k, v, batch, key_start, scale, window, softcap, prefix)
     fn = KERNEL.get()
     if fn is None:
         return None
-    P = 0 if prefix is None else pk.shape[2]
-    Hkv, T, Dv = k.shape[1], P + k.shape[2], v.shape[-1]
+    Hkv, Dv = k.shape[1], v.shape[-1]
+    table = _segment_table(segments)
+    end = table[-SEG_FIELDS + 2]
+    seg = torch.tensor(table, dtype=torch.int64)
     out = torch.empty(B, Hq, L, Dv, dtype=q.dtype)
     qpos = batch.positions().to(torch.int64).contiguous()
-    fn(q.data_ptr(), pk.data_ptr(), pv.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
-                qpos.data_ptr(), B, Hq, Hkv, L, T, P, D, Dv, *q.stride()[:3], *pk.stride()[:3],
-                *pv.stride()[:3], *k.stride()[:3], *v.stride()[:3], key_start, window or 0,
-                scale, softcap or 0.0, int(q.dtype is torch.bfloat16), torch.get_num_threads())
+    fn(q.data_ptr(), seg.data_ptr(), len(segments), out.data_ptr(), qpos.data_ptr(), B, Hq, Hkv, L, end, D,
+       Dv, *q.stride()[:3], key_start, window or 0, scale, softcap or 0.0, int(q.dtype is torch.bfloat16),
+       torch.get_num_threads())
     return out
 
 
@@ -109,13 +140,14 @@ def attention(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
-    prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
+    prefix: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
 ) -> torch.Tensor:
     """Causal (optionally windowed) GQA attention.
 
     q: [B, Hq, L, D] at positions `batch.positions()`; k, v: [B, Hkv, T, D] holding absolute
-    positions [key_start, key_start + T), or, with `prefix` = (keys, values) [B, Hkv, P, D],
-    positions [key_start + P, key_start + P + T) after the prefix's [key_start, key_start + P).
+    positions [key_start, key_start + T), or, with `prefix` segments (keys, values) [B, Hkv, P_i, D]
+    (in order, P = ΣP_i), positions [key_start + P, key_start + P + T) after the segments'
+    [key_start, key_start + P).
     Returns [B, Hq, L, Dv] in q's dtype. Padded query rows produce finite values that callers
     discard; padded keys are never visible to real queries because they lie after every real query
     of their row.
@@ -123,8 +155,9 @@ def attention(
     out = _kernel_attention(q, k, v, batch, key_start, scale, window, softcap, prefix)
     if out is not None:
         return out
-    if prefix is not None:  # SDPA and the soft-cap path read one buffer: a transient concatenation
-        k, v = torch.cat([prefix[0], k], dim=2), torch.cat([prefix[1], v], dim=2)
+    if prefix:  # SDPA and the soft-cap path read one buffer: a transient concatenation
+        k = torch.cat([pk for pk, _ in prefix] + [k], dim=2)
+        v = torch.cat([pv for _, pv in prefix] + [v], dim=2)
     mask = _mask(batch, key_start, k.shape[2], window)
     if softcap is None:
         gqa = q.shape[1] != k.shape[1]
@@ -167,18 +200,16 @@ def attention_packed(
     """
     _, Hq, N, D = q.shape
     dtype = q.dtype
-    views = []
-    for h in histories:
-        pk, pv = h.prefix if h.prefix is not None else (h.keys, h.values)
-        views.append((pk, pv, h.keys, h.values))
+    segments = [[*h.prefix, (h.keys, h.values)] for h in histories]
+    tensors = [t for segs in segments for pair in segs for t in pair]
     if not (
         q.shape[0] == 1
         and all(0 < n <= KERNEL_MAX_QUERIES for n in lens)
         and q.is_cpu
         and dtype in (torch.bfloat16, torch.float32)
         and q.stride(-1) == 1
-        and all(t.dtype is dtype and t.stride(-1) == 1 and t.shape[0] == 1 for v in views for t in v)
-        and len({(v[0].shape[1], v[3].shape[-1]) for v in views}) == 1
+        and all(t.dtype is dtype and t.stride(-1) == 1 and t.shape[0] == 1 for t in tensors)
+        and len({(h.keys.shape[1], h.values.shape[-1]) for h in histories}) == 1
         and not torch.compiler.is_compiling()
         and not (torch.is_grad_enabled() and q.requires_grad)
     ):
@@ -186,19 +217,19 @@ def attention_packed(
     fn = PACKED_KERNEL.get()
     if fn is None:
         return None
-    Hkv, Dv = views[0][0].shape[1], views[0][3].shape[-1]
+    Hkv, Dv = histories[0].keys.shape[1], histories[0].values.shape[-1]
     out = torch.empty(1, Hq, N, Dv, dtype=dtype)
-    ptrs = torch.tensor([[t.data_ptr() for t in v] for v in views], dtype=torch.int64)
-    fields = []
-    for h, (pk, pv, k, v) in zip(histories, views, strict=True):
-        P = 0 if h.prefix is None else pk.shape[2]
-        fields.append([pk.stride(1), pk.stride(2), pv.stride(1), pv.stride(2), k.stride(1), k.stride(2),
-                       v.stride(1), v.stride(2), P + k.shape[2], P, h.key_start, h.window or 0])
-    fields = torch.tensor(fields, dtype=torch.int64)
+    table, views = [], []
+    for h, segs in zip(histories, segments, strict=True):
+        views.append([len(table) // SEG_FIELDS, len(segs), 0, h.key_start, h.window or 0])
+        table += _segment_table(segs)
+        views[-1][2] = table[-SEG_FIELDS + 2]  # T: the last segment's end
+    seg = torch.tensor(table, dtype=torch.int64)
+    views = torch.tensor(views, dtype=torch.int64)
     qpos = positions.to(torch.int64).contiguous()
     starts_ = torch.tensor(starts, dtype=torch.int64)
     lens_ = torch.tensor(lens, dtype=torch.int64)
     fn(q.data_ptr(), q.stride(1), q.stride(2), out.data_ptr(), N, qpos.data_ptr(), starts_.data_ptr(),
-       lens_.data_ptr(), ptrs.data_ptr(), fields.data_ptr(), len(histories), Hq, Hkv, D, Dv, scale,
+       lens_.data_ptr(), seg.data_ptr(), views.data_ptr(), len(histories), Hq, Hkv, D, Dv, scale,
        softcap or 0.0, int(dtype is torch.bfloat16), torch.get_num_threads())
     return out

@@ -268,6 +268,8 @@ class PrefixCache:
         for cache in caches:
             if cache is not None:
                 cache.record = True
+                if isinstance(cache, KVCache):
+                    cache.shares_restores = True  # sessions restoring one node read its rows once
         slot = Slot(caches)
         stateful = [c for c in caches if c is not None]
         if stateful:  # the first stateful layer is reached first in every forward
@@ -750,6 +752,44 @@ class PrefixCache:
             if self._budget() is not None and self._over():
                 self.make_room(0)
 
+    def _read_sources(self, busy: bool) -> set[int]:
+        """Ids of the trie snapshots whose rows slots read as segments (copy-on-write restores): slots
+        with an open session (`busy`), or idle ones."""
+        return {
+            id(seg.source)
+            for slot in self.slots
+            if (slot.session is not None) == busy
+            for c in slot.caches
+            if isinstance(c, KVCache)
+            for seg in c.segments
+            if seg.source is not None
+        }
+
+    def locked(self) -> frozenset[int]:
+        """Ids of the nodes whose rows a running session reads (never evicted, demoted or compacted:
+        their bytes would stay alive, read, outside the budget; like SGLang's locked radix nodes)."""
+        sources = self._read_sources(busy=True)
+        if not sources:
+            return frozenset()
+        return frozenset(n.id for n in self.trie.nodes() if any(id(s) in sources for s in n.snaps))
+
+    def _unread(self, node: Node) -> None:
+        """Before `node`'s snapshots are freed or replaced: idle slots reading their rows drop their
+        live state (they would keep the rows alive outside the budget; the trie still has the rest)."""
+        ours = {id(s) for s in node.snaps if getattr(s, "readers", 0)}
+        if not ours or not ours & self._read_sources(busy=False):
+            return
+        for slot in self.slots:
+            reads = any(
+                id(seg.source) in ours for c in slot.caches if isinstance(c, KVCache) for seg in c.segments
+            )
+            if slot.session is None and reads:
+                for cache in slot.caches:
+                    if cache is not None:
+                        cache.free()
+                        cache.record = True
+                slot.live = []
+
     def live_path(self) -> set[int]:
         """Ids of the nodes on every slot's live path (protected from eviction): the prefixes running
         sequences restored from and the idle slots' frontiers."""
@@ -776,6 +816,7 @@ class PrefixCache:
     def _enforce(self, reserve: int, keep: frozenset[int], delete: bool = True) -> None:
         protected = self.live_path()
         if self._budget() is not None:
+            keep = keep | self.locked()
             room = self._limit() - reserve - self.reserved_bytes
             total = self.nbytes
             for on_live_path in (False, True):
@@ -808,6 +849,9 @@ class PrefixCache:
             if not eligible(node) or node.on_disk:
                 continue
             before = budgeted(node)
+            windows = [getattr(c, "window", None) for c, s in zip(self.caches, node.snaps, strict=True) if s]
+            if any(windows):
+                self._unread(node)  # sliding rows compact into new tensors: the read ones would stay
             node.snaps = [None if s is None else self.caches[i].compact(s) for i, s in enumerate(node.snaps)]
             if budgeted(node) < before:
                 self.stats.compacted_snapshots += 1
@@ -855,6 +899,8 @@ class PrefixCache:
     def _remove_leaf(self, node: Node) -> None:
         if node.on_disk:
             self.disk.delete(node.file)
+        else:
+            self._unread(node)
         self.trie.remove_leaf(node)
 
     def _remove_subtree(self, node: Node) -> int:
@@ -890,6 +936,7 @@ class PrefixCache:
         stored = self.disk.write(tokens, node.start, wall_clock(node.last_used), snaps, room)
         if stored is None:
             return False
+        self._unread(node)
         _free_all(node.snaps)
         node.hidden = None  # the disk tier keeps snapshots only
         node.snaps = [

@@ -1,5 +1,6 @@
 #include "bf16.h"
 #include <math.h>
+#include <stdint.h>
 #include <stdlib.h>
 
 #define KB 64  /* keys per block, aligned to absolute positions */
@@ -46,13 +47,32 @@ static inline void axpy(float* y, float a, const void* x, int64_t D, int bf16) {
     for (; i < D; i++) y[i] += a * load(x, i, bf16);
 }
 
-/* One sequence's key/value heads' buffers (pointers at its batch row, strides in elements): pk / pv
-   the P rows of a read-only shared prefix, then k / v its own; key row j (0 <= j < T, counted across
-   both buffers) holds position key_start + j. */
+/* A segment table: per segment SEG_FIELDS int64 fields, the k and v addresses, the end of its key
+   rows (counted across the segments), then the strides (batch, head, row) of k and of v in elements.
+   The segments are read as one buffer: read-only shared ones (copy-on-write), then the own rows. */
+enum { SEG_K, SEG_V, SEG_END, SEG_KST, SEG_VST = SEG_KST + 3, SEG_FIELDS = SEG_VST + 3 };
+
+/* One sequence's keys / values: `nseg` segments of table `seg`, at batch row b; key row j
+   (0 <= j < T, counted across the segments) holds position key_start + j. */
 typedef struct {
-    const char *pk, *pv, *k, *v;
-    int64_t pk_sh, pk_st, pv_sh, pv_st, k_sh, k_st, v_sh, v_st, T, P, key_start;
+    const int64_t* seg;
+    int64_t nseg, b, T, key_start;
 } kv_view;
+
+/* The run of key (which = SEG_K) or value (SEG_V) rows of kv head g from row jj (0 <= jj < T) on that
+   one segment holds, at most n rows: sets *row to its first row's address and *step to the bytes
+   from one row to the next; returns its length. */
+static inline int64_t seg_run(const kv_view* kv, int which, int64_t g, int64_t jj, int64_t n, size_t es,
+                              const char** row, int64_t* step) {
+    int64_t s = 0;
+    while (s < kv->nseg - 1 && jj >= kv->seg[s * SEG_FIELDS + SEG_END]) s++;
+    const int64_t* t = kv->seg + s * SEG_FIELDS;
+    const int64_t first = s > 0 ? t[SEG_END - SEG_FIELDS] : 0, left = t[SEG_END] - jj;
+    const int64_t* st = t + (which == SEG_K ? SEG_KST : SEG_VST);
+    *row = (const char*)(intptr_t)t[which] + (kv->b * st[0] + g * st[1] + (jj - first) * st[2]) * es;
+    *step = st[2] * (int64_t)es;
+    return left < n ? left : n;
+}
 
 /* The L queries of one sequence on key/value head g: q rows (head h, token t) at q + h*q_sh + t*q_sl,
    positions qpos [L], outputs at out + h*out_sh + t*out_sl (elements). buf holds
@@ -62,7 +82,7 @@ static void attend_group(const char* q, int64_t q_sh, int64_t q_sl, const kv_vie
                          char* out, int64_t out_sh, int64_t out_sl, const int64_t* qpos, int64_t Hq,
                          int64_t Hkv, int64_t L, int64_t D, int64_t Dv, int64_t window, float scale,
                          float softcap, int is_bf16, float* buf) {
-    const int64_t rep = Hq / Hkv, R = rep * L, T = kv->T, P = kv->P, key_start = kv->key_start;
+    const int64_t rep = Hq / Hkv, R = rep * L, T = kv->T, key_start = kv->key_start;
     const size_t es = is_bf16 ? 2 : 4;
     float *qf = buf, *acc = qf + R * D, *m = acc + R * Dv, *l = m + R, *sc = l + R;
     int64_t lo = INT64_MAX, hi = -1;
@@ -90,27 +110,31 @@ static void attend_group(const char* q, int64_t q_sh, int64_t q_sl, const kv_vie
             if (z > key_start + T - 1) z = key_start + T - 1;
             if (a > z) continue;
             float bm = -INFINITY;
-            for (int64_t j = a; j <= z; j++) {
-                const int64_t jj = j - key_start;
-                const char* kj = jj < P ? kv->pk + (g * kv->pk_sh + jj * kv->pk_st) * es
-                                        : kv->k + (g * kv->k_sh + (jj - P) * kv->k_st) * es;
-                float s = dot(qf + r * D, kj, D, is_bf16) * scale;
-                if (softcap > 0.f) s = tanhf(s / softcap) * softcap;
-                sc[j - a] = s;
-                if (s > bm) bm = s;
+            for (int64_t j = a; j <= z;) {  /* keys in order, one segment's run at a time */
+                const char* kj;
+                int64_t step;
+                const int64_t end = j + seg_run(kv, SEG_K, g, j - key_start, z - j + 1, es, &kj, &step);
+                for (; j < end; j++, kj += step) {
+                    float s = dot(qf + r * D, kj, D, is_bf16) * scale;
+                    if (softcap > 0.f) s = tanhf(s / softcap) * softcap;
+                    sc[j - a] = s;
+                    if (s > bm) bm = s;
+                }
             }
             const float mn = bm > m[r] ? bm : m[r];
             const float alpha = expf(m[r] - mn);
             float* ar = acc + r * Dv;
             for (int64_t i = 0; i < Dv; i++) ar[i] *= alpha;
             l[r] *= alpha;
-            for (int64_t j = a; j <= z; j++) {
-                const float e = expf(sc[j - a] - mn);
-                l[r] += e;
-                const int64_t jj = j - key_start;
-                const char* vj = jj < P ? kv->pv + (g * kv->pv_sh + jj * kv->pv_st) * es
-                                        : kv->v + (g * kv->v_sh + (jj - P) * kv->v_st) * es;
-                axpy(ar, e, vj, Dv, is_bf16);
+            for (int64_t j = a; j <= z;) {
+                const char* vj;
+                int64_t step;
+                const int64_t end = j + seg_run(kv, SEG_V, g, j - key_start, z - j + 1, es, &vj, &step);
+                for (; j < end; j++, vj += step) {
+                    const float e = expf(sc[j - a] - mn);
+                    l[r] += e;
+                    axpy(ar, e, vj, Dv, is_bf16);
+                }
             }
             m[r] = mn;
         }
@@ -122,21 +146,17 @@ static void attend_group(const char* q, int64_t q_sh, int64_t q_sl, const kv_vie
     }
 }
 
-/* q [B, Hq, L, D]; the keys / values are two buffers read as one: pk [B, Hkv, P, D], pv [B, Hkv, P, Dv]
-   (a read-only shared prefix; P may be 0) then k [B, Hkv, T - P, D], v [B, Hkv, T - P, Dv] (strides
-   in elements, last dim contiguous); out [B, Hq, L, Dv] contiguous; qpos [B, L] absolute query
-   positions; key row j (0 <= j < T, counted across both buffers) holds position key_start + j. A query
-   at p sees keys at positions in [p - window + 1, p] (window 0: [0, p]). Only a key's address depends
-   on which buffer holds it, never the arithmetic or its order: the result is the same bits wherever
-   the buffers are split. Returns 0, or -1 when out of memory. */
-int hybridlm_attention(const void* q, const void* pk, const void* pv, const void* k, const void* v,
-                       void* out, const int64_t* qpos,
-                       int64_t B, int64_t Hq, int64_t Hkv, int64_t L, int64_t T, int64_t P, int64_t D,
-                       int64_t Dv, int64_t q_sb, int64_t q_sh, int64_t q_sl, int64_t pk_sb, int64_t pk_sh,
-                       int64_t pk_st, int64_t pv_sb, int64_t pv_sh, int64_t pv_st, int64_t k_sb,
-                       int64_t k_sh, int64_t k_st, int64_t v_sb, int64_t v_sh, int64_t v_st,
-                       int64_t key_start, int64_t window, float scale, float softcap, int is_bf16,
-                       int nthreads) {
+/* q [B, Hq, L, D]; the keys / values are the nseg segments of table `seg` (above: segment i holds
+   key rows [end_{i-1}, end_i), end_{-1} = 0, end_{nseg-1} = T; k [B, Hkv, n_i, D], v [B, Hkv, n_i, Dv],
+   last dim contiguous) read as one buffer; out [B, Hq, L, Dv] contiguous; qpos [B, L] absolute query
+   positions; key row j holds position key_start + j. A query at p sees keys at positions in
+   [p - window + 1, p] (window 0: [0, p]). Only a key's address depends on which segment holds it,
+   never the arithmetic or its order: the result is the same bits however the rows are split into
+   segments. Returns 0, or -1 when out of memory. */
+int hybridlm_attention(const void* q, const int64_t* seg, int64_t nseg, void* out, const int64_t* qpos,
+                       int64_t B, int64_t Hq, int64_t Hkv, int64_t L, int64_t T, int64_t D, int64_t Dv,
+                       int64_t q_sb, int64_t q_sh, int64_t q_sl, int64_t key_start, int64_t window,
+                       float scale, float softcap, int is_bf16, int nthreads) {
     const int64_t R = Hq / Hkv * L;
     const size_t es = is_bf16 ? 2 : 4;
     int failed = 0;
@@ -149,11 +169,7 @@ int hybridlm_attention(const void* q, const void* pk, const void* pv, const void
             failed = 1;
             continue;
         }
-        const kv_view kv = {
-            (const char*)pk + b * pk_sb * es, (const char*)pv + b * pv_sb * es,
-            (const char*)k + b * k_sb * es, (const char*)v + b * v_sb * es,
-            pk_sh, pk_st, pv_sh, pv_st, k_sh, k_st, v_sh, v_st, T, P, key_start,
-        };
+        const kv_view kv = {seg, nseg, b, T, key_start};
         attend_group((const char*)q + b * q_sb * es, q_sh, q_sl, &kv, g, (char*)out + b * Hq * L * Dv * es,
                      L * Dv, Dv, qpos + b * L, Hq, Hkv, L, D, Dv, window, scale, softcap, is_bf16, buf);
         free(buf);
@@ -164,14 +180,14 @@ int hybridlm_attention(const void* q, const void* pk, const void* pv, const void
 /* Several sequences' queries packed end to end in one call (decode and verify rows of many
    sequences), each over its own keys / values: q [Hq, N, D] (strides q_sh, q_sl) and out [Hq, N, Dv]
    (contiguous) hold sequence i's rows at [starts[i], starts[i] + lens[i]), at positions qpos [N];
-   ptrs[i] = (pk, pv, k, v) its buffers' addresses at its batch row, views[i] = (pk_sh, pk_st, pv_sh,
-   pv_st, k_sh, k_st, v_sh, v_st, T, P, key_start, window) as in hybridlm_attention. Rows outside every
-   sequence are not touched. Parallel over sequences x key/value heads; each runs attend_group as
-   hybridlm_attention would on that sequence alone, so the bits are the same. Returns 0, or -1 when
-   out of memory. */
+   views[i] = (first segment, segments, T, key_start, window): its keys / values are segments
+   [first, first + segments) of table `seg` (as in hybridlm_attention, batch row 0). Rows outside
+   every sequence are not touched. Parallel over sequences x key/value heads; each runs attend_group
+   as hybridlm_attention would on that sequence alone, so the bits are the same. Returns 0, or -1
+   when out of memory. */
 int hybridlm_attention_packed(const void* q, int64_t q_sh, int64_t q_sl, void* out, int64_t N,
                               const int64_t* qpos, const int64_t* starts, const int64_t* lens,
-                              const int64_t* ptrs, const int64_t* views, int64_t nseq, int64_t Hq,
+                              const int64_t* seg, const int64_t* views, int64_t nseq, int64_t Hq,
                               int64_t Hkv, int64_t D, int64_t Dv, float scale,
                               float softcap, int is_bf16, int nthreads) {
     const size_t es = is_bf16 ? 2 : 4;
@@ -185,15 +201,11 @@ int hybridlm_attention_packed(const void* q, int64_t q_sh, int64_t q_sl, void* o
             failed = 1;
             continue;
         }
-        const int64_t* p = ptrs + 4 * i;
-        const int64_t* w = views + 12 * i;
-        const kv_view kv = {
-            (const char*)(intptr_t)p[0], (const char*)(intptr_t)p[1], (const char*)(intptr_t)p[2],
-            (const char*)(intptr_t)p[3], w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7], w[8], w[9], w[10],
-        };
+        const int64_t* w = views + 5 * i;
+        const kv_view kv = {seg + w[0] * SEG_FIELDS, w[1], 0, w[2], w[3]};
         attend_group((const char*)q + starts[i] * q_sl * es, q_sh, q_sl, &kv, g,
                      (char*)out + starts[i] * Dv * es, N * Dv, Dv, qpos + starts[i], Hq, Hkv, L, D, Dv,
-                     w[11], scale, softcap, is_bf16, buf);
+                     w[4], scale, softcap, is_bf16, buf);
         free(buf);
     }
     return failed ? -1 : 0;
