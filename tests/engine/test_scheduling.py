@@ -73,3 +73,31 @@ def test_a_late_prompt_prefills_on_the_time_share(model, chat_ids, share):
 def test_prefill_share_must_be_positive(model):
     with pytest.raises(ValueError, match="prefill_share"):
         Engine(model.lm, model.tokenizer, prefill_share=0.0)
+
+
+def test_a_prompt_arriving_during_a_burst_prefill_is_a_peer(model, chat_ids):
+    """A prompt that arrives while the first prompt of a burst prefills (so it is admitted only after
+    that prompt's first token) is a peer, not late: it prefills at full budget in the next step, even
+    under a tiny time share that would hold a late prompt back for hundreds of steps."""
+    first_ids, second_ids = chat_ids("Go on"), chat_ids("And then?")
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    with Engine(model.lm, model.tokenizer, max_running=1) as solo:
+        want = solo.generate(second_ids, one).token_ids
+    with Engine(model.lm, model.tokenizer, max_running=2, prefill_share=0.001) as engine:
+        events: list = []
+        second, submitted = Completion(), []
+        real = engine._prefill
+
+        def prefill(running):  # the second prompt arrives while the first one's (only) chunk runs
+            if running.request.prompt_ids == first_ids and not submitted:
+                submitted.append(engine.submit(second_ids, one, second.add))
+            return real(running)
+
+        engine._prefill = prefill
+        running = engine.submit(first_ids, LONG, events.append)
+        wait_until(lambda: second.finish_reason is not None, timeout=60)
+        during = len(events)
+        running.cancel()
+        wait_until(lambda: events[-1].finished)
+    assert second.token_ids == want
+    assert during <= 3

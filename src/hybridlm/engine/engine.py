@@ -149,7 +149,7 @@ class Engine:
         time share holds every prompt back; a chunk is never cut). max_memory: bytes of caches (state +
         KV for prompt and max_tokens) the running sequences may hold; a request that does not fit waits
         (alone it is always admitted). Default: half of the memory available at start. prefill_share:
-        while streams decode, prefill chunks of prompts admitted after a stream's first token (late
+        while streams decode, prefill chunks of prompts that arrived after a stream's first token (late
         prompts) get at most this fraction of the decode steps' seconds, on average (> 0; a time share,
         measured online: a late chunk runs once the credit each decode step adds covers its expected
         seconds).
@@ -511,9 +511,11 @@ class Engine:
         t0 = time.perf_counter()
         out.extend(self._decode(decoding))
         decode_seconds = time.perf_counter() - t0
-        # Prompts admitted after a stream began decoding are late: they prefill on the time share.
+        # Prompts that arrived after a stream began decoding are late: they prefill on the time share.
+        # By arrival, not admission: prompts of one burst are admitted over the first steps (the first
+        # prefill chunk runs before the others are taken from the queue) and stay peers.
         since = min((r.prefill_done for r in decoding), default=None)
-        late = {id(r) for r in prefilling if since is not None and r.started > since}
+        late = {id(r) for r in prefilling if since is not None and r.request.arrival > since}
         self._share.open(decode_seconds if decoding else 0.0, waiting=bool(late))
         out.extend(self._prefill_chunks(prefilling, late))
         for fork in self._forked:  # choices > 0 of a prompt whose prefill just ended: their first token
