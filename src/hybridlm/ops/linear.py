@@ -18,15 +18,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridlm.ops.native import FEW_TOKENS, NativeKernel
+from hybridlm.ops.native import FEW_TOKENS, NativeKernel, ThreadFlag
 
 __all__ = [
     "MAX_FAST_ROWS",
@@ -101,27 +99,21 @@ def _kernel_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     )
 
 
-_ROWWISE = threading.local()
+_ROWWISE = ThreadFlag()
 
 
-@contextmanager
-def rowwise() -> Iterator[None]:
+def rowwise() -> AbstractContextManager[None]:
     """Inside, (on this thread) CPU inputs of any row count compute each row exactly as a one-row call
     would: the kernel in groups of `kernel_rows()` rows (one weight read per group), or one row per
     `F.linear` call where the kernel does not apply. A forward packing the decode / verify rows of
     many sequences runs under it, so a row's result never depends on how many rows share the step."""
-    before = getattr(_ROWWISE, "on", False)
-    _ROWWISE.on = True
-    try:
-        yield
-    finally:
-        _ROWWISE.on = before
+    return _ROWWISE.raised()
 
 
 def rowwise_applies(x: torch.Tensor) -> bool:
     """Whether `x` [..., in] (more than one row, on the CPU) must be cut into row groups: inside
     `rowwise` on this thread."""
-    return getattr(_ROWWISE, "on", False) and x.is_cpu and x.numel() > x.shape[-1]
+    return bool(_ROWWISE) and x.is_cpu and x.numel() > x.shape[-1]
 
 
 def in_row_groups(x: torch.Tensor, group: int, fn, out_features: int) -> torch.Tensor:

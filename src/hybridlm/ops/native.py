@@ -22,6 +22,8 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -97,6 +99,26 @@ def compile_library(name: str, file: str) -> Path:
             # Atomic, so concurrent processes never load a half-written library.
             os.replace(out, lib_path)
     return lib_path
+
+
+class ThreadFlag:
+    """A boolean per thread: true inside `with flag.raised():` on that thread (nestable; the
+    context manager also decorates functions), false elsewhere."""
+
+    def __init__(self):
+        self._local = threading.local()
+
+    def __bool__(self) -> bool:
+        return getattr(self._local, "on", False)
+
+    @contextmanager
+    def raised(self) -> Iterator[None]:
+        before = bool(self)
+        self._local.on = True
+        try:
+            yield
+        finally:
+            self._local.on = before
 
 
 class NativeKernel:

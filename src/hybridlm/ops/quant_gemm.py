@@ -25,13 +25,11 @@ from __future__ import annotations
 
 import ctypes
 import os
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 
 import torch
 
-from hybridlm.ops.native import NativeKernel
+from hybridlm.ops.native import NativeKernel, ThreadFlag
 
 __all__ = [
     "int4_prefill", "int8_prefill", "prefill_applies", "prompt_rows", "prompt_rows_on",
@@ -71,26 +69,20 @@ def vnni() -> bool:
     return fn is not None and bool(fn())
 
 
-_PROMPT = threading.local()
+_PROMPT = ThreadFlag()
 
 
-@contextmanager
-def prompt_rows() -> Iterator[None]:
+def prompt_rows() -> AbstractContextManager[None]:
     """Inside, (on this thread) every row is a prompt row: `QuantLinear` takes the integer path however
     few rows a call has, so a prompt suffix after a cached prefix (or any prefill chunk) computes each
     row exactly as a one-piece prefill does. The engine runs its prefill chunks under it; decode and
     verify rows stay outside, on the bf16-activation decode kernels."""
-    before = getattr(_PROMPT, "on", False)
-    _PROMPT.on = True
-    try:
-        yield
-    finally:
-        _PROMPT.on = before
+    return _PROMPT.raised()
 
 
 def prompt_rows_on() -> bool:
     """Whether this thread runs inside `prompt_rows`."""
-    return getattr(_PROMPT, "on", False)
+    return bool(_PROMPT)
 
 
 def prefill_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
