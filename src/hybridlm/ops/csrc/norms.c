@@ -1,29 +1,67 @@
 /* mode: 0 RMSNorm `w * r(norm)`, 1 OffsetRMSNorm `(1 + w) * norm`, 2 GatedRMSNorm
    `r(w * r(norm)) * silu(gate)`; r() (`round_to`) rounds to the activation dtype (bf16 only), as the
-   reference's `.to(x.dtype)` does. */
+   reference's `.to(x.dtype)` does.
+
+   Every loop vectorizes: the sum of squares keeps LANES partial sums (element i goes to lane
+   i % LANES) added in a fixed tree at the end, and the gate's SiLU uses exp_fast. A row's numbers
+   depend only on the row (its length and values), never on how many rows a call has. */
 #include "bf16.h"
 #include <math.h>
+
+#define LANES 16
+
+static inline __attribute__((always_inline)) float elem(const void* p, int64_t i, int is_bf16) {
+    return is_bf16 ? bf16_to_f32(((const uint16_t*)p)[i]) : ((const float*)p)[i];
+}
+
+static inline __attribute__((always_inline)) float sum_squares(const void* x, int64_t base, int64_t D,
+                                                               int is_bf16) {
+    float part[LANES] = {0.f};
+    int64_t i = 0;
+    for (; i + LANES <= D; i += LANES)
+        for (int l = 0; l < LANES; l++) {
+            const float v = elem(x, base + i + l, is_bf16);
+            part[l] += v * v;
+        }
+    for (int half = LANES / 2; half > 0; half /= 2)
+        for (int l = 0; l < half; l++) part[l] += part[l + half];
+    float ss = part[0];
+    for (; i < D; i++) {
+        const float v = elem(x, base + i, is_bf16);
+        ss += v * v;
+    }
+    return ss;
+}
+
+/* One row; inlined with constant mode and is_bf16, so each variant is a straight vector loop. */
+static inline __attribute__((always_inline)) void norm_row(const void* x, const void* w, const void* gate,
+                                                           void* out, int64_t base, int64_t D, float eps,
+                                                           int mode, int is_bf16) {
+    const float r = 1.f / sqrtf(sum_squares(x, base, D, is_bf16) / (float)D + eps);
+    for (int64_t i = 0; i < D; i++) {
+        const float v = elem(x, base + i, is_bf16) * r, wi = elem(w, i, is_bf16);
+        float y;
+        if (mode == 1) y = v * (1.f + wi);
+        else {
+            y = wi * round_to(v, is_bf16);
+            if (mode == 2) {
+                const float g = elem(gate, base + i, is_bf16);
+                y = round_to(y, is_bf16) * (g / (1.f + exp_fast(-g)));
+            }
+        }
+        store(out, base + i, y, is_bf16);
+    }
+}
+
+#define ROWS(mode, bf16) \
+    for (int64_t n = 0; n < N; n++) norm_row(x, w, gate, out, n * D, D, eps, mode, bf16)
 
 /* x, gate, out [N, D]; w [D]; all bf16 when is_bf16, else float32. */
 void hybridlm_rms_norm(const void* x, const void* w, const void* gate, void* out, int64_t N, int64_t D,
                        float eps, int mode, int is_bf16) {
-    for (int64_t n = 0; n < N; n++) {
-        const int64_t base = n * D;
-        float ss = 0.f;
-        for (int64_t i = 0; i < D; i++) { const float v = load(x, base + i, is_bf16); ss += v * v; }
-        const float r = 1.f / sqrtf(ss / (float)D + eps);
-        for (int64_t i = 0; i < D; i++) {
-            const float v = load(x, base + i, is_bf16) * r, wi = load(w, i, is_bf16);
-            float y;
-            if (mode == 1) y = v * (1.f + wi);
-            else {
-                y = wi * round_to(v, is_bf16);
-                if (mode == 2) {
-                    const float g = load(gate, base + i, is_bf16);
-                    y = round_to(y, is_bf16) * (g / (1.f + expf(-g)));
-                }
-            }
-            store(out, base + i, y, is_bf16);
-        }
+    if (is_bf16) {
+        switch (mode) { case 0: ROWS(0, 1); break; case 1: ROWS(1, 1); break; default: ROWS(2, 1); }
+    } else {
+        switch (mode) { case 0: ROWS(0, 0); break; case 1: ROWS(1, 0); break; default: ROWS(2, 0); }
     }
 }
