@@ -1,5 +1,8 @@
 #include "bf16.h"
 #include <math.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -11,6 +14,10 @@ typedef uint32_t u32x16 __attribute__((vector_size(64)));
 
 static inline f32x16 load16(const void* p, int bf16) {
     f32x16 v;
+#if defined(__AVX512F__)
+    /* one widening load (GCC splits the generic conversion below into 256-bit halves) */
+    if (bf16) return (f32x16)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(p)), 16);
+#endif
     if (bf16) {
         u16x16 h; memcpy(&h, p, sizeof h);
         u32x16 u = __builtin_convertvector(h, u32x16) << 16;
@@ -36,15 +43,48 @@ static inline float dot(const float* a, const void* b, int64_t D, int bf16) {
     for (; i < D; i++) s += a[i] * load(b, i, bf16);
     return s;
 }
-static inline void axpy(float* y, float a, const void* x, int64_t D, int bf16) {
+
+#define DG 8  /* keys per dot_group */
+/* out[g] = dot(a, b[g], D) for DG key rows b[g]: dot()'s arithmetic for each, interleaved. */
+static inline void dot_group(const float* a, const char* const* b, int64_t D, int bf16, float* out) {
+    f32x16 acc[DG];
+    for (int g = 0; g < DG; g++) acc[g] = (f32x16){0};
     int64_t i = 0;
     const size_t es = bf16 ? 2 : 4;
     for (; i + 16 <= D; i += 16) {
+        f32x16 av; memcpy(&av, a + i, sizeof av);
+        for (int g = 0; g < DG; g++) acc[g] += av * load16(b[g] + i * es, bf16);
+    }
+    for (int g = 0; g < DG; g++) {
+        float s = hsum(acc[g]);
+        for (int64_t t = i; t < D; t++) s += a[t] * load(b[g], t, bf16);
+        out[g] = s;
+    }
+}
+/* y += e[j] * x[j] for j = 0..n-1 in order (x[j]: rows in the element type): per element of y one
+   multiply-add per key, in key order. Each element's sum is one dependent chain over
+   the keys, so YB 16-wide slices are carried at once (independent chains: one slice alone waited
+   out the multiply-add latency at every key). */
+#define YB 8
+static inline void axpy_keys(float* y, const float* e, const char* const* x, int64_t n, int64_t D, int bf16) {
+    int64_t i = 0;
+    const size_t es = bf16 ? 2 : 4;
+    for (; i + 16 * YB <= D; i += 16 * YB) {
+        f32x16 yv[YB];
+        memcpy(yv, y + i, sizeof yv);
+        for (int64_t j = 0; j < n; j++) {
+            const char* xj = x[j] + i * es;
+            for (int c = 0; c < YB; c++) yv[c] += e[j] * load16(xj + 16 * c * es, bf16);
+        }
+        memcpy(y + i, yv, sizeof yv);
+    }
+    for (; i + 16 <= D; i += 16) {
         f32x16 yv; memcpy(&yv, y + i, sizeof yv);
-        yv += a * load16((const char*)x + i * es, bf16);
+        for (int64_t j = 0; j < n; j++) yv += e[j] * load16(x[j] + i * es, bf16);
         memcpy(y + i, &yv, sizeof yv);
     }
-    for (; i < D; i++) y[i] += a * load(x, i, bf16);
+    for (; i < D; i++)
+        for (int64_t j = 0; j < n; j++) y[i] += e[j] * load(x[j], i, bf16);
 }
 
 /* A segment table: per segment SEG_FIELDS int64 fields, the k and v addresses, the end of its key
@@ -100,42 +140,54 @@ static void attend_group(const char* q, int64_t q_sh, int64_t q_sl, const kv_vie
     if (lo < key_start) lo = key_start;
     if (hi > key_start + T - 1) hi = key_start + T - 1;
     const int64_t b0 = lo >= 0 ? lo / KB * KB : 0;
+    const char* kp[KB];  /* the block's key / value rows, from its first visible key jlo on */
+    const char* vp[KB];
     for (int64_t p0 = b0; p0 <= hi; p0 += KB) {
+        int64_t jlo = p0 > key_start ? p0 : key_start, jhi = p0 + KB - 1;
+        if (jhi > hi) jhi = hi;
+        if (jlo > jhi) continue;
+        for (int64_t j = jlo; j <= jhi;) {  /* one segment's run at a time */
+            const char *kj, *vj;
+            int64_t kstep, vstep;
+            const int64_t n = seg_run(kv, SEG_K, g, j - key_start, jhi - j + 1, es, &kj, &kstep);
+            seg_run(kv, SEG_V, g, j - key_start, n, es, &vj, &vstep);
+            for (int64_t i = 0; i < n; i++, j++, kj += kstep, vj += vstep) {
+                kp[j - jlo] = kj;
+                vp[j - jlo] = vj;
+            }
+        }
         for (int64_t r = 0; r < R; r++) {
             const int64_t p = qpos[r % L];
-            int64_t a = p0, z = p0 + KB - 1;
-            if (a < key_start) a = key_start;
+            int64_t a = jlo, z = jhi;
             if (window > 0 && a < p - window + 1) a = p - window + 1;
             if (z > p) z = p;
-            if (z > key_start + T - 1) z = key_start + T - 1;
             if (a > z) continue;
+            /* Scores of keys a..z, DG at a time (independent dot products overlap; each is dot()'s
+               arithmetic, so the bits do not depend on the grouping). */
+            const float* qr = qf + r * D;
             float bm = -INFINITY;
-            for (int64_t j = a; j <= z;) {  /* keys in order, one segment's run at a time */
-                const char* kj;
-                int64_t step;
-                const int64_t end = j + seg_run(kv, SEG_K, g, j - key_start, z - j + 1, es, &kj, &step);
-                for (; j < end; j++, kj += step) {
-                    float s = dot(qf + r * D, kj, D, is_bf16) * scale;
-                    if (softcap > 0.f) s = tanhf(s / softcap) * softcap;
-                    sc[j - a] = s;
-                    if (s > bm) bm = s;
-                }
+            int64_t j = a;
+            for (; j + DG - 1 <= z; j += DG) dot_group(qr, kp + (j - jlo), D, is_bf16, sc + (j - a));
+            for (; j <= z; j++) sc[j - a] = dot(qr, kp[j - jlo], D, is_bf16);
+            for (j = a; j <= z; j++) {
+                float s = sc[j - a] * scale;
+                if (softcap > 0.f) s = tanhf(s / softcap) * softcap;
+                sc[j - a] = s;
+                if (s > bm) bm = s;
             }
             const float mn = bm > m[r] ? bm : m[r];
             const float alpha = expf(m[r] - mn);
             float* ar = acc + r * Dv;
             for (int64_t i = 0; i < Dv; i++) ar[i] *= alpha;
             l[r] *= alpha;
-            for (int64_t j = a; j <= z;) {
-                const char* vj;
-                int64_t step;
-                const int64_t end = j + seg_run(kv, SEG_V, g, j - key_start, z - j + 1, es, &vj, &step);
-                for (; j < end; j++, vj += step) {
-                    const float e = expf(sc[j - a] - mn);
-                    l[r] += e;
-                    axpy(ar, e, vj, Dv, is_bf16);
-                }
+            for (j = a; j <= z; j++) {
+                const float e = expf(sc[j - a] - mn);
+                l[r] += e;
+                sc[j - a] = e;
             }
+            /* acc += e_j v_j over the keys in order, slices of the row held in registers across the
+               keys (one load and store of acc per block, not per key). */
+            axpy_keys(ar, sc, vp + (a - jlo), z - a + 1, Dv, is_bf16);
             m[r] = mn;
         }
     }
