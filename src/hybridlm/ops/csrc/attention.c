@@ -30,61 +30,97 @@ static inline float hsum(f32x16 v) {
     for (int i = 0; i < 16; i++) s += v[i];
     return s;
 }
-/* dot(a[0:D], b[0:D]) with a float32 and b in the element type; fixed summation order. */
-static inline float dot(const float* a, const void* b, int64_t D, int bf16) {
-    f32x16 acc = {0};
+#define RG 4  /* query rows (heads of one key/value head at one token) that share each key read */
+#define KG 4  /* keys per scores tile */
+#define YB 4  /* 16-wide slices of each row's output sum carried across keys */
+
+/* out[r][j] = a[r] . b[j] over D for nr rows, nk keys (a float32, b in the element type): per pair 16
+   lanes of multiply-adds in order, their sum in lane order, then the tail. The pairs' dependent
+   chains are interleaved so that they overlap, and each key row is widened once for all rows. */
+static inline __attribute__((always_inline)) void score_tile(const float* const* a, int nr,
+                                                              const char* const* b, int nk, int64_t D,
+                                                              int bf16, float* const* out) {
+    f32x16 acc[RG][KG];
+    for (int r = 0; r < nr; r++) for (int j = 0; j < nk; j++) acc[r][j] = (f32x16){0};
     int64_t i = 0;
     const size_t es = bf16 ? 2 : 4;
     for (; i + 16 <= D; i += 16) {
-        f32x16 av; memcpy(&av, a + i, sizeof av);
-        acc += av * load16((const char*)b + i * es, bf16);
+        f32x16 kv[KG];
+        for (int j = 0; j < nk; j++) kv[j] = load16(b[j] + i * es, bf16);
+        for (int r = 0; r < nr; r++) {
+            f32x16 av; memcpy(&av, a[r] + i, sizeof av);
+            for (int j = 0; j < nk; j++) acc[r][j] += av * kv[j];
+        }
     }
-    float s = hsum(acc);
-    for (; i < D; i++) s += a[i] * load(b, i, bf16);
-    return s;
+    for (int r = 0; r < nr; r++) for (int j = 0; j < nk; j++) {
+        float s = hsum(acc[r][j]);
+        for (int64_t t = i; t < D; t++) s += a[r][t] * load(b[j], t, bf16);
+        out[r][j] = s;
+    }
 }
 
-#define DG 8  /* keys per dot_group */
-/* out[g] = dot(a, b[g], D) for DG key rows b[g]: dot()'s arithmetic for each, interleaved. */
-static inline void dot_group(const float* a, const char* const* b, int64_t D, int bf16, float* out) {
-    f32x16 acc[DG];
-    for (int g = 0; g < DG; g++) acc[g] = (f32x16){0};
-    int64_t i = 0;
-    const size_t es = bf16 ? 2 : 4;
-    for (; i + 16 <= D; i += 16) {
-        f32x16 av; memcpy(&av, a + i, sizeof av);
-        for (int g = 0; g < DG; g++) acc[g] += av * load16(b[g] + i * es, bf16);
+/* scores[r][j] = a[r] . b[j] for keys j < n of nr (<= RG) rows, KG keys a tile. */
+static void score_rows(const float* const* a, int nr, const char* const* b, int64_t n, int64_t D, int bf16,
+                       float* const* scores) {
+    int64_t j = 0;
+    for (; j + KG <= n; j += KG) {
+        float* out[RG];
+        for (int r = 0; r < nr; r++) out[r] = scores[r] + j;
+        switch (nr) {
+            case 1: score_tile(a, 1, b + j, KG, D, bf16, out); break;
+            case 2: score_tile(a, 2, b + j, KG, D, bf16, out); break;
+            case 3: score_tile(a, 3, b + j, KG, D, bf16, out); break;
+            default: score_tile(a, RG, b + j, KG, D, bf16, out);
+        }
     }
-    for (int g = 0; g < DG; g++) {
-        float s = hsum(acc[g]);
-        for (int64_t t = i; t < D; t++) s += a[t] * load(b[g], t, bf16);
-        out[g] = s;
+    for (; j < n; j++) {
+        float* out[RG];
+        for (int r = 0; r < nr; r++) out[r] = scores[r] + j;
+        score_tile(a, nr, b + j, 1, D, bf16, out);
     }
 }
-/* y += e[j] * x[j] for j = 0..n-1 in order (x[j]: rows in the element type): per element of y one
-   multiply-add per key, in key order. Each element's sum is one dependent chain over
-   the keys, so YB 16-wide slices are carried at once (independent chains: one slice alone waited
-   out the multiply-add latency at every key). */
-#define YB 8
-static inline void axpy_keys(float* y, const float* e, const char* const* x, int64_t n, int64_t D, int bf16) {
-    int64_t i = 0;
+
+/* y[r] += e[r][j] * x[j] for j = 0..n-1 in order, nr (<= RG) rows (x[j]: rows in the element type):
+   per element of y one multiply-add per key, in key order. Each element's sum is one dependent chain
+   over the keys, so YB 16-wide slices of every row are carried at once (one slice alone waited out
+   the multiply-add latency at every key), each value slice widened once for all rows. */
+static inline __attribute__((always_inline)) void pv_tile(float* const* y, int nr, const float* const* e,
+                                                           const char* const* x, int64_t n, int64_t i,
+                                                           int bf16) {
     const size_t es = bf16 ? 2 : 4;
-    for (; i + 16 * YB <= D; i += 16 * YB) {
-        f32x16 yv[YB];
-        memcpy(yv, y + i, sizeof yv);
-        for (int64_t j = 0; j < n; j++) {
-            const char* xj = x[j] + i * es;
-            for (int c = 0; c < YB; c++) yv[c] += e[j] * load16(xj + 16 * c * es, bf16);
+    f32x16 yv[RG][YB];
+    for (int r = 0; r < nr; r++) memcpy(yv[r], y[r] + i, sizeof yv[r]);
+    for (int64_t j = 0; j < n; j++) {
+        f32x16 xv[YB];
+        for (int c = 0; c < YB; c++) xv[c] = load16(x[j] + (i + 16 * c) * es, bf16);
+        for (int r = 0; r < nr; r++) {
+            const float w = e[r][j];
+            for (int c = 0; c < YB; c++) yv[r][c] += w * xv[c];
         }
-        memcpy(y + i, yv, sizeof yv);
     }
-    for (; i + 16 <= D; i += 16) {
-        f32x16 yv; memcpy(&yv, y + i, sizeof yv);
-        for (int64_t j = 0; j < n; j++) yv += e[j] * load16(x[j] + i * es, bf16);
-        memcpy(y + i, &yv, sizeof yv);
+    for (int r = 0; r < nr; r++) memcpy(y[r] + i, yv[r], sizeof yv[r]);
+}
+
+static void pv_rows(float* const* y, int nr, const float* const* e, const char* const* x, int64_t n,
+                    int64_t D, int bf16) {
+    int64_t i = 0;
+    for (; i + 16 * YB <= D; i += 16 * YB) {
+        switch (nr) {
+            case 1: pv_tile(y, 1, e, x, n, i, bf16); break;
+            case 2: pv_tile(y, 2, e, x, n, i, bf16); break;
+            case 3: pv_tile(y, 3, e, x, n, i, bf16); break;
+            default: pv_tile(y, RG, e, x, n, i, bf16);
+        }
     }
-    for (; i < D; i++)
-        for (int64_t j = 0; j < n; j++) y[i] += e[j] * load(x[j], i, bf16);
+    for (int r = 0; r < nr; r++) {
+        for (int64_t c = i; c + 16 <= D; c += 16) {
+            f32x16 yv; memcpy(&yv, y[r] + c, sizeof yv);
+            for (int64_t j = 0; j < n; j++) yv += e[r][j] * load16(x[j] + c * (bf16 ? 2 : 4), bf16);
+            memcpy(y[r] + c, &yv, sizeof yv);
+        }
+        for (int64_t c = i + (D - i) / 16 * 16; c < D; c++)
+            for (int64_t j = 0; j < n; j++) y[r][c] += e[r][j] * load(x[j], c, bf16);
+    }
 }
 
 /* A segment table: per segment SEG_FIELDS int64 fields, the k and v addresses, the end of its key
@@ -116,7 +152,7 @@ static inline int64_t seg_run(const kv_view* kv, int which, int64_t g, int64_t j
 
 /* The L queries of one sequence on key/value head g: q rows (head h, token t) at q + h*q_sh + t*q_sl,
    positions qpos [L], outputs at out + h*out_sh + t*out_sl (elements). buf holds
-   R*(D + Dv + 2) + KB floats, R = (Hq/Hkv)*L. Both entry points run exactly this, so a sequence's
+   R*(D + Dv + 2) + RG*KB floats, R = (Hq/Hkv)*L. Both entry points run exactly this, so a sequence's
    numbers never depend on what else was in the call. */
 static void attend_group(const char* q, int64_t q_sh, int64_t q_sl, const kv_view* kv, int64_t g,
                          char* out, int64_t out_sh, int64_t out_sl, const int64_t* qpos, int64_t Hq,
@@ -156,39 +192,50 @@ static void attend_group(const char* q, int64_t q_sh, int64_t q_sl, const kv_vie
                 vp[j - jlo] = vj;
             }
         }
-        for (int64_t r = 0; r < R; r++) {
-            const int64_t p = qpos[r % L];
+        /* The rows of one query token (the heads sharing this key/value head) see the same keys:
+           up to RG of them read each key and value row once. Every row's numbers are those of its
+           own loop over the keys, whatever rows share the tile. */
+        for (int64_t t = 0; t < L; t++) {
+            const int64_t p = qpos[t];
             int64_t a = jlo, z = jhi;
             if (window > 0 && a < p - window + 1) a = p - window + 1;
             if (z > p) z = p;
             if (a > z) continue;
-            /* Scores of keys a..z, DG at a time (independent dot products overlap; each is dot()'s
-               arithmetic, so the bits do not depend on the grouping). */
-            const float* qr = qf + r * D;
-            float bm = -INFINITY;
-            int64_t j = a;
-            for (; j + DG - 1 <= z; j += DG) dot_group(qr, kp + (j - jlo), D, is_bf16, sc + (j - a));
-            for (; j <= z; j++) sc[j - a] = dot(qr, kp[j - jlo], D, is_bf16);
-            for (j = a; j <= z; j++) {
-                float s = sc[j - a] * scale;
-                if (softcap > 0.f) s = tanhf(s / softcap) * softcap;
-                sc[j - a] = s;
-                if (s > bm) bm = s;
+            for (int64_t h0 = 0; h0 < rep; h0 += RG) {
+                const int nr = rep - h0 < RG ? (int)(rep - h0) : RG;
+                const float* qs[RG];
+                float* scs[RG];
+                float* ys[RG];
+                for (int i = 0; i < nr; i++) {
+                    const int64_t r = (h0 + i) * L + t;
+                    qs[i] = qf + r * D;
+                    scs[i] = sc + i * KB;
+                    ys[i] = acc + r * Dv;
+                }
+                score_rows(qs, nr, kp + (a - jlo), z - a + 1, D, is_bf16, scs);
+                for (int i = 0; i < nr; i++) {
+                    const int64_t r = (h0 + i) * L + t;
+                    float* si = scs[i];
+                    float bm = -INFINITY;
+                    for (int64_t j = 0; j <= z - a; j++) {
+                        float s = si[j] * scale;
+                        if (softcap > 0.f) s = tanhf(s / softcap) * softcap;
+                        si[j] = s;
+                        if (s > bm) bm = s;
+                    }
+                    const float mn = bm > m[r] ? bm : m[r];
+                    const float alpha = expf(m[r] - mn);
+                    for (int64_t c = 0; c < Dv; c++) ys[i][c] *= alpha;
+                    l[r] *= alpha;
+                    for (int64_t j = 0; j <= z - a; j++) {
+                        const float e = expf(si[j] - mn);
+                        l[r] += e;
+                        si[j] = e;
+                    }
+                    m[r] = mn;
+                }
+                pv_rows(ys, nr, (const float* const*)scs, vp + (a - jlo), z - a + 1, Dv, is_bf16);
             }
-            const float mn = bm > m[r] ? bm : m[r];
-            const float alpha = expf(m[r] - mn);
-            float* ar = acc + r * Dv;
-            for (int64_t i = 0; i < Dv; i++) ar[i] *= alpha;
-            l[r] *= alpha;
-            for (j = a; j <= z; j++) {
-                const float e = expf(sc[j - a] - mn);
-                l[r] += e;
-                sc[j - a] = e;
-            }
-            /* acc += e_j v_j over the keys in order, slices of the row held in registers across the
-               keys (one load and store of acc per block, not per key). */
-            axpy_keys(ar, sc, vp + (a - jlo), z - a + 1, Dv, is_bf16);
-            m[r] = mn;
         }
     }
     for (int64_t r = 0; r < R; r++) {
@@ -215,7 +262,7 @@ int hybridlm_attention(const void* q, const int64_t* seg, int64_t nseg, void* ou
     #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t bg = 0; bg < B * Hkv; bg++) {
         const int64_t b = bg / Hkv, g = bg % Hkv;
-        float* buf = malloc(sizeof(float) * (R * (D + Dv + 2) + KB));
+        float* buf = malloc(sizeof(float) * (R * (D + Dv + 2) + RG * KB));
         if (!buf) {
             #pragma omp atomic write
             failed = 1;
@@ -247,7 +294,7 @@ int hybridlm_attention_packed(const void* q, int64_t q_sh, int64_t q_sl, void* o
     #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t ig = 0; ig < nseq * Hkv; ig++) {
         const int64_t i = ig / Hkv, g = ig % Hkv, L = lens[i], R = Hq / Hkv * L;
-        float* buf = malloc(sizeof(float) * (R * (D + Dv + 2) + KB));
+        float* buf = malloc(sizeof(float) * (R * (D + Dv + 2) + RG * KB));
         if (!buf) {
             #pragma omp atomic write
             failed = 1;
