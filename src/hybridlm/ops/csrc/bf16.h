@@ -13,11 +13,12 @@ static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, keep Na
     if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
-/* Element i of a bf16 (bf16 != 0) or float32 array, as float32; and back. */
-static inline float load(const void* p, int64_t i, int bf16) {
+/* Element i of a bf16 (bf16 != 0) or float32 array, as float32; and back. Always inlined, so that a
+   loop calling them with a constant `bf16` is a straight vector loop. */
+static inline __attribute__((always_inline)) float load(const void* p, int64_t i, int bf16) {
     return bf16 ? bf16_to_f32(((const uint16_t*)p)[i]) : ((const float*)p)[i];
 }
-static inline void store(void* p, int64_t i, float v, int bf16) {
+static inline __attribute__((always_inline)) void store(void* p, int64_t i, float v, int bf16) {
     if (bf16) ((uint16_t*)p)[i] = f32_to_bf16(v); else ((float*)p)[i] = v;
 }
 /* v rounded as a bf16 tensor op would round its result (identity for float32) */

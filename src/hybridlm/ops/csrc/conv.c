@@ -9,10 +9,6 @@ static inline const char* xp_row(const char* x, const char* prior, int64_t r, in
     return r < K - 1 ? prior + r * C * es : x + (r - (K - 1)) * C * es;
 }
 
-static inline __attribute__((always_inline)) float elem(const void* p, int64_t i, int is_bf16) {
-    return is_bf16 ? bf16_to_f32(((const uint16_t*)p)[i]) : ((const float*)p)[i];
-}
-
 /* Output row t of one sequence: per channel the K products summed in tap order, plus the bias,
    rounded to the element type, then SiLU, rounded again. Inlined with a constant K, the loop over
    channels vectorizes reading the taps in their [C, K] layout. */
@@ -23,8 +19,8 @@ static inline __attribute__((always_inline)) void conv_row(const char* x, const 
     for (int64_t c = 0; c < C; c++) {
         float acc = 0.f;
         for (int64_t j = 0; j < K; j++)
-            acc += elem(weight, c * K + j, is_bf16) * elem(xp_row(x, prior, t + j, K, C, es), c, is_bf16);
-        float y = acc + (bias ? elem(bias, c, is_bf16) : 0.f);
+            acc += load(weight, c * K + j, is_bf16) * load(xp_row(x, prior, t + j, K, C, es), c, is_bf16);
+        float y = acc + (bias ? load(bias, c, is_bf16) : 0.f);
         if (is_bf16) {
             y = bf16_to_f32(f32_to_bf16(y));
             if (silu) y = y / (1.f + exp_fast(-y));

@@ -10,24 +10,20 @@
 
 #define LANES 16
 
-static inline __attribute__((always_inline)) float elem(const void* p, int64_t i, int is_bf16) {
-    return is_bf16 ? bf16_to_f32(((const uint16_t*)p)[i]) : ((const float*)p)[i];
-}
-
 static inline __attribute__((always_inline)) float sum_squares(const void* x, int64_t base, int64_t D,
                                                                int is_bf16) {
     float part[LANES] = {0.f};
     int64_t i = 0;
     for (; i + LANES <= D; i += LANES)
         for (int l = 0; l < LANES; l++) {
-            const float v = elem(x, base + i + l, is_bf16);
+            const float v = load(x, base + i + l, is_bf16);
             part[l] += v * v;
         }
     for (int half = LANES / 2; half > 0; half /= 2)
         for (int l = 0; l < half; l++) part[l] += part[l + half];
     float ss = part[0];
     for (; i < D; i++) {
-        const float v = elem(x, base + i, is_bf16);
+        const float v = load(x, base + i, is_bf16);
         ss += v * v;
     }
     return ss;
@@ -39,13 +35,13 @@ static inline __attribute__((always_inline)) void norm_row(const void* x, const 
                                                            int mode, int is_bf16) {
     const float r = 1.f / sqrtf(sum_squares(x, base, D, is_bf16) / (float)D + eps);
     for (int64_t i = 0; i < D; i++) {
-        const float v = elem(x, base + i, is_bf16) * r, wi = elem(w, i, is_bf16);
+        const float v = load(x, base + i, is_bf16) * r, wi = load(w, i, is_bf16);
         float y;
         if (mode == 1) y = v * (1.f + wi);
         else {
             y = wi * round_to(v, is_bf16);
             if (mode == 2) {
-                const float g = elem(gate, base + i, is_bf16);
+                const float g = load(gate, base + i, is_bf16);
                 y = round_to(y, is_bf16) * (g / (1.f + exp_fast(-g)));
             }
         }
