@@ -62,9 +62,17 @@ def test_bfloat16_argmax_agrees_with_transformers(checkpoints, name):
     ids = ids_for(200, seed=2)
     with torch.no_grad():
         expected = ref(torch.tensor([ids])).logits[0].float()
+        truth = ckpt.reference(torch.float32)(torch.tensor([ids])).logits[0].argmax(-1)
     got = full_logits(ours, ids)
     agree = (got.argmax(-1) == expected.argmax(-1)).float().mean().item()
-    assert agree >= 0.99, f"argmax agreement {agree:.3f}"
+    # Where the CPU's float32 GEMM is the faster one, prompts multiply bf16 values in float32
+    # (`ops.linear`) while transformers uses oneDNN's bf16 GEMM: both accumulate in float32 but in
+    # another order, which flips a few near-tied argmaxes of random weights (up to 3 in 200 measured)
+    # either way: each is as close to the float32 model as the other.
+    assert agree >= 0.98, f"argmax agreement {agree:.3f}"
+    ours_right = (got.argmax(-1) == truth).float().mean().item()
+    theirs_right = (expected.argmax(-1) == truth).float().mean().item()
+    assert ours_right >= theirs_right - 0.015, f"vs float32: ours {ours_right:.3f}, theirs {theirs_right:.3f}"
     # A routed MoE turns a one-ulp difference upstream into another expert where two router
     # probabilities nearly tie; that token (and a few after it) may then differ by more.
     per_token = (got - expected).abs().amax(-1)
