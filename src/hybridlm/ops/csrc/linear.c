@@ -8,6 +8,9 @@
 #include "bf16.h"
 #include <stdlib.h>
 #define PREFETCH_BYTES 16384
+/* 64-byte vectors passed between static functions without AVX-512 (two 32-byte halves): GCC warns
+   that such a return changes the ABI, which matters only across a library's boundary. */
+#pragma GCC diagnostic ignored "-Wpsabi"
 
 #if defined(__AVX512BF16__)
 /* 3 weight rows x 8 input rows: 24 independent vdpbf16ps chains, which the instruction needs to
