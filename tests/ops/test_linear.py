@@ -2,6 +2,7 @@
 
 import logging
 import threading
+import time
 import types
 
 import pytest
@@ -119,6 +120,48 @@ def test_large_rows_3d_uses_f_linear():
     layer = _layer(24, 64, True, torch.bfloat16)
     x = torch.randn(2, 9, 64).to(torch.bfloat16)  # 18 rows > MAX_FAST_ROWS
     assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("lead", [(64,), (2, 40)])
+def test_prefill_rows_multiply_in_float32_where_that_gemm_is_faster(monkeypatch, no_f_linear, bias, lead):
+    monkeypatch.setattr(linear_mod, "float32_gemm_faster", lambda: True)
+    monkeypatch.setattr(linear_mod, "FLOAT32_SLAB_ELEMENTS", 40 * 96)  # 40 weight rows a slab: 4 slabs
+    layer = _layer(130, 96, bias, torch.bfloat16)
+    x = torch.randn(*lead, 96).to(torch.bfloat16)
+    y = layer(x)
+    assert y.shape == (*lead, 130)
+    _assert_rounded(y, x, layer.weight, layer.bias)
+
+
+def test_prefill_rows_keep_the_bf16_gemm_where_it_is_faster_or_rows_are_few(monkeypatch):
+    layer = _layer(130, 96, True, torch.bfloat16)
+    monkeypatch.setattr(linear_mod, "float32_gemm_faster", lambda: False)
+    x = torch.randn(80, 96).to(torch.bfloat16)
+    assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+    monkeypatch.setattr(linear_mod, "float32_gemm_faster", lambda: True)
+    few = x[: linear_mod.FLOAT32_MIN_ROWS - 1]
+    assert torch.equal(layer(few), F.linear(few, layer.weight, layer.bias))
+
+
+@pytest.mark.parametrize("slow", ["bf16", "float32"])
+def test_the_gemm_choice_is_the_one_measured_faster(monkeypatch, slow):
+    def slowed(fn):
+        def run(*args):
+            time.sleep(0.02)
+            return fn(*args)
+
+        return run
+
+    if slow == "bf16":
+        monkeypatch.setattr(linear_mod, "F", types.SimpleNamespace(linear=slowed(F.linear)))
+    else:
+        monkeypatch.setattr(linear_mod, "_linear_float32", slowed(linear_mod._linear_float32))
+    linear_mod.float32_gemm_faster.cache_clear()
+    try:
+        assert linear_mod.float32_gemm_faster() is (slow == "bf16")
+    finally:
+        linear_mod.float32_gemm_faster.cache_clear()
 
 
 def test_autograd_uses_f_linear():

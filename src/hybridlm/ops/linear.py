@@ -211,7 +211,10 @@ def _float32_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         and weight.dim() == 2
         and x.numel() >= FLOAT32_MIN_ROWS * weight.shape[-1]
         and (bias is None or bias.dtype is torch.bfloat16)
-        and not torch.is_grad_enabled()
+        and not (
+            torch.is_grad_enabled()
+            and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
+        )
         and not torch.compiler.is_compiling()
         and float32_gemm_faster()
     )
