@@ -451,6 +451,7 @@ class _KernelFallbacks(logging.Handler):
 
 
 def cmd_serve(args) -> int:
+    from hybridlm.runtime import freeze_loaded_objects
     from hybridlm.server import Limits, serve
     from hybridlm.server.lifecycle import listen
 
@@ -467,6 +468,7 @@ def cmd_serve(args) -> int:
         engine = make_engine(model, args)
     finally:
         native_log.removeHandler(fallbacks)
+    freeze_loaded_objects()
     print(summary(model, engine, args, fallbacks.names), file=sys.stderr)
     auth = " (API key required)" if args.api_key else ""
     host = f"[{args.host}]" if ":" in args.host else args.host

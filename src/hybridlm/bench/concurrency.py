@@ -31,6 +31,7 @@ from hybridlm.cli import make_engine
 from hybridlm.engine import serial_setup
 from hybridlm.models.base import CausalLM
 from hybridlm.models.tokenizer import Tokenizer
+from hybridlm.runtime import freeze_loaded_objects
 
 
 def id_tokenizer(vocab: int) -> Tokenizer:
@@ -131,6 +132,7 @@ def main(args, model) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     engine = make_engine(model, args)
+    freeze_loaded_objects()  # as `hybridlm serve` does
     port, stop_server = start_server(engine)
     client = subprocess.Popen(
         [sys.executable, str(Path(__file__).with_name("concurrent_client.py"))],
