@@ -6,9 +6,10 @@ reaches ~30 GB/s; this kernel moves ~28-29 GB/s (benchmarks/matvec.py). For inpu
 ``kernel_rows()`` rows (``MAX_FAST_ROWS`` with AVX512-BF16, else 4) and bf16 CPU tensors,
 ``linear`` instead calls a small C kernel (compiled with the system C compiler on first use and
 cached on disk) that reads every weight row exactly once for all input rows, accumulates in fp32
-and rounds the result to bf16 once, like ``F.linear``. Everything else -- CUDA, fp32 weights
-(MKL's sgemv already runs at memory speed), prefill-sized inputs, autograd, tracing under
-``torch.compile`` -- uses ``F.linear`` unchanged.
+and rounds the result to bf16 once, like ``F.linear``. Prefill-sized bf16 CPU inputs multiply in
+float32 where this CPU's float32 GEMM was measured faster than its bf16 one (see
+``float32_gemm_faster``). Everything else -- CUDA, fp32 weights (MKL's sgemv already runs at memory
+speed), autograd, tracing under ``torch.compile`` -- uses ``F.linear`` unchanged.
 
 Set ``HYBRIDLM_COMPILE=0`` to disable the kernel; if it cannot be built (no compiler, build
 error) the fallback is ``F.linear`` with one logged warning.
@@ -208,6 +209,7 @@ def _float32_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         x.dtype is torch.bfloat16
         and weight.dtype is torch.bfloat16
         and x.is_cpu
+        and weight.is_cpu
         and weight.dim() == 2
         and x.numel() >= FLOAT32_MIN_ROWS * weight.shape[-1]
         and (bias is None or bias.dtype is torch.bfloat16)
