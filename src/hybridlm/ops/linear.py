@@ -78,6 +78,17 @@ def fast_path_available() -> bool:
     return KERNEL.get() is not None
 
 
+def _bf16_on_cpu(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Both operands bf16 on the CPU, the weight a matrix: what both CPU paths beside F.linear take."""
+    return (
+        x.dtype is torch.bfloat16
+        and weight.dtype is torch.bfloat16
+        and x.is_cpu
+        and weight.is_cpu
+        and weight.dim() == 2
+    )
+
+
 def _kernel_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """bf16 CPU tensors, 1..kernel_rows() rows, no autograd, not being traced by torch.compile.
 
@@ -85,21 +96,25 @@ def _kernel_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     """
     k = weight.shape[-1]
     return (
-        x.dtype is torch.bfloat16
-        and weight.dtype is torch.bfloat16
-        and x.is_cpu
-        and weight.is_cpu
-        and weight.dim() == 2
+        _bf16_on_cpu(x, weight)
         and x.shape[-1] == k
         and 0 < x.numel() <= kernel_rows() * k
         and weight.shape[0] > 0
         and weight.is_contiguous()
         and (bias is None or (bias.dtype is torch.bfloat16 and bias.is_cpu and bias.is_contiguous()))
-        and not (
+        and _outside_autograd_and_tracing(x, weight, bias)
+    )
+
+
+def _outside_autograd_and_tracing(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """No operand needs a gradient, and torch.compile is not tracing: the paths that leave F.linear
+    (a ctypes kernel, a float32 product) are neither differentiable nor traceable, and under
+    torch.compile inductor generates its own code."""
+    return (
+        not (
             torch.is_grad_enabled()
             and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
         )
-        # A ctypes call cannot be traced; under torch.compile inductor generates its own code.
         and not torch.compiler.is_compiling()
     )
 
@@ -206,18 +221,10 @@ def _float32_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     """bf16 CPU operands of at least FLOAT32_MIN_ROWS rows, no autograd or tracing, on a CPU where the
     float32 GEMM was measured faster."""
     return (
-        x.dtype is torch.bfloat16
-        and weight.dtype is torch.bfloat16
-        and x.is_cpu
-        and weight.is_cpu
-        and weight.dim() == 2
+        _bf16_on_cpu(x, weight)
         and x.numel() >= FLOAT32_MIN_ROWS * weight.shape[-1]
         and (bias is None or bias.dtype is torch.bfloat16)
-        and not (
-            torch.is_grad_enabled()
-            and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
-        )
-        and not torch.compiler.is_compiling()
+        and _outside_autograd_and_tracing(x, weight, bias)
         and float32_gemm_faster()
     )
 
