@@ -61,6 +61,31 @@ def test_decode_kernel_equals_float64_reference_rounded_once(scheme, rows, shape
     assert torch.all(err <= ref.abs() * 2**-8 + size * 1e-5)
 
 
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("out", [48, 37])  # whole panels; a short last panel
+def test_int4_kernel_reads_nothing_past_the_packed_weight(rows, out):
+    """The tiles read each block again 1..3 bytes further on (quant.c): a weight that ends where an
+    unreadable page begins is computed without a fault, as the reference."""
+    import ctypes
+    import mmap
+
+    q = _quantized(_layer(out, 128, False), "int4")
+    page, nbytes = mmap.PAGESIZE, q.qweight.numel()
+    size = -(-nbytes // page) * page
+    region = mmap.mmap(-1, size + page)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(region))
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    assert libc.mprotect(base + size, page, 0) == 0, ctypes.get_errno()  # PROT_NONE
+    guarded = torch.frombuffer(region, dtype=torch.uint8, count=nbytes, offset=size - nbytes)
+    guarded.copy_(q.qweight.view(-1))
+    q.qweight = guarded.view_as(q.qweight)
+    x = _x(rows, 128)
+    ref, bound = _reference(q, x)
+    assert torch.all((q(x).double() - ref).abs() <= ref.abs() * 2**-8 + bound * 1e-5)
+
+
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_prefill_dequantizes_to_bf16_and_matches_reference(scheme):
     q = QuantLinear.from_linear(_layer(40, 256, True), scheme)
