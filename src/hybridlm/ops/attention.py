@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridlm.batch import Batch
-from hybridlm.ops.native import FEW_TOKENS, NativeKernel
+from hybridlm.ops.native import FEW_TOKENS, NativeKernel, int64_array
 
 # The few-query kernel: csrc/attention.c.
 _i64 = ctypes.c_int64
@@ -99,11 +99,10 @@ def _kernel_attention(q, k, v, batch, key_start, scale, window, softcap, prefix)
     Hkv, Dv = k.shape[1], v.shape[-1]
     table = _segment_table(segments)
     end = table[-SEG_FIELDS + 2]
-    seg = torch.tensor(table, dtype=torch.int64)
     out = torch.empty(B, Hq, L, Dv, dtype=q.dtype)
     qpos = batch.positions().to(torch.int64).contiguous()
-    fn(q.data_ptr(), seg.data_ptr(), len(segments), out.data_ptr(), qpos.data_ptr(), B, Hq, Hkv, L, end, D,
-       Dv, *q.stride()[:3], key_start, window or 0, scale, softcap or 0.0, int(q.dtype is torch.bfloat16),
+    fn(q.data_ptr(), int64_array(table), len(segments), out.data_ptr(), qpos.data_ptr(), B, Hq, Hkv, L, end,
+       D, Dv, *q.stride()[:3], key_start, window or 0, scale, softcap or 0.0, int(q.dtype is torch.bfloat16),
        torch.get_num_threads())
     return out
 
@@ -224,12 +223,9 @@ def attention_packed(
         views.append([len(table) // SEG_FIELDS, len(segs), 0, h.key_start, h.window or 0])
         table += _segment_table(segs)
         views[-1][2] = table[-SEG_FIELDS + 2]  # T: the last segment's end
-    seg = torch.tensor(table, dtype=torch.int64)
-    views = torch.tensor(views, dtype=torch.int64)
     qpos = positions.to(torch.int64).contiguous()
-    starts_ = torch.tensor(starts, dtype=torch.int64)
-    lens_ = torch.tensor(lens, dtype=torch.int64)
-    fn(q.data_ptr(), q.stride(1), q.stride(2), out.data_ptr(), N, qpos.data_ptr(), starts_.data_ptr(),
-       lens_.data_ptr(), seg.data_ptr(), views.data_ptr(), len(histories), Hq, Hkv, D, Dv, scale,
-       softcap or 0.0, int(dtype is torch.bfloat16), torch.get_num_threads())
+    views = int64_array([field for view in views for field in view])  # [sequences, 5] row-major
+    fn(q.data_ptr(), q.stride(1), q.stride(2), out.data_ptr(), N, qpos.data_ptr(), int64_array(starts),
+       int64_array(lens), int64_array(table), views, len(histories), Hq, Hkv, D, Dv, scale, softcap or 0.0,
+       int(dtype is torch.bfloat16), torch.get_num_threads())
     return out
