@@ -218,14 +218,13 @@ def attention_packed(
         return None
     Hkv, Dv = histories[0].keys.shape[1], histories[0].values.shape[-1]
     out = torch.empty(1, Hq, N, Dv, dtype=dtype)
-    table, views = [], []
+    table, views = [], []  # views: [sequences, 5] row-major, (first segment, segments, T, key_start, window)
     for h, segs in zip(histories, segments, strict=True):
-        views.append([len(table) // SEG_FIELDS, len(segs), 0, h.key_start, h.window or 0])
+        first = len(table) // SEG_FIELDS
         table += _segment_table(segs)
-        views[-1][2] = table[-SEG_FIELDS + 2]  # T: the last segment's end
+        views += [first, len(segs), table[-SEG_FIELDS + 2], h.key_start, h.window or 0]  # T: the last end
     qpos = positions.to(torch.int64).contiguous()
-    views = int64_array([field for view in views for field in view])  # [sequences, 5] row-major
     fn(q.data_ptr(), q.stride(1), q.stride(2), out.data_ptr(), N, qpos.data_ptr(), int64_array(starts),
-       int64_array(lens), int64_array(table), views, len(histories), Hq, Hkv, D, Dv, scale, softcap or 0.0,
-       int(dtype is torch.bfloat16), torch.get_num_threads())
+       int64_array(lens), int64_array(table), int64_array(views), len(histories), Hq, Hkv, D, Dv, scale,
+       softcap or 0.0, int(dtype is torch.bfloat16), torch.get_num_threads())
     return out

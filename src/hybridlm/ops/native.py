@@ -201,11 +201,10 @@ def packed_args(starts, lens, splits, bounds) -> tuple:
     firsts = [0]
     for seq in splits:
         firsts.append(firsts[-1] + len(seq))
-    n = len(starts)
     return (
         (ctypes.c_void_p * max(len(flat), 1))(*flat),
-        (ctypes.c_int64 * max(len(at), 1))(*at),
-        (ctypes.c_int64 * (n + 1))(*firsts),
+        int64_array(at or [0]),
+        int64_array(firsts),
         int64_array(starts),
         int64_array(lens),
     )
