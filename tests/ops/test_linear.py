@@ -2,7 +2,6 @@
 
 import logging
 import threading
-import time
 import types
 
 import pytest
@@ -146,17 +145,21 @@ def test_prefill_rows_keep_the_bf16_gemm_where_it_is_faster_or_rows_are_few(monk
 
 @pytest.mark.parametrize("slow", ["bf16", "float32"])
 def test_the_gemm_choice_is_the_one_measured_faster(monkeypatch, slow):
-    def slowed(fn):
+    # A clock that only the two products advance: the choice follows the measured times, whatever
+    # else the machine is running (a real sleep lost to a loaded machine's GEMM jitter).
+    now = [0.0]
+
+    def costing(seconds):
         def run(*args):
-            time.sleep(0.02)
-            return fn(*args)
+            now[0] += seconds
+            return None
 
         return run
 
-    if slow == "bf16":
-        monkeypatch.setattr(linear_mod, "F", types.SimpleNamespace(linear=slowed(F.linear)))
-    else:
-        monkeypatch.setattr(linear_mod, "_linear_float32", slowed(linear_mod._linear_float32))
+    bf16, float32 = (0.02, 0.001) if slow == "bf16" else (0.001, 0.02)
+    monkeypatch.setattr(linear_mod, "F", types.SimpleNamespace(linear=costing(bf16)))
+    monkeypatch.setattr(linear_mod, "_linear_float32", costing(float32))
+    monkeypatch.setattr(linear_mod, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
     linear_mod.float32_gemm_faster.cache_clear()
     try:
         assert linear_mod.float32_gemm_faster() is (slow == "bf16")
