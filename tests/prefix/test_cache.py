@@ -13,7 +13,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from hybridlm.batch import Batch
 from hybridlm.models import load_model
-from hybridlm.prefix.cache import CapturePlan, PrefixCache, Session, common_prefix
+from hybridlm.prefix.cache import CapturePlan, PrefixCache, Session, budgeted, common_prefix
+from hybridlm.prefix.trie import Trie
 
 KINDS = ["qwen3_5_text", "lfm2", "gemma3_text", "gemma4_text", "dense_llama"]
 
@@ -27,6 +28,13 @@ class Oracle:
     def best(self, prompt: list[int]) -> int:
         keep = len(prompt) - 1
         return min(keep, max((common_prefix(s, prompt) for s in self.stored), default=0))
+
+
+def assert_counted(pc: PrefixCache) -> None:
+    """The RAM figure the cache keeps as nodes change equals a count over every node."""
+    assert pc.nbytes == sum(budgeted(n) for n in Trie.nodes(pc.trie)) + pc.pending_bytes
+    if pc.draft is not None:
+        assert_counted(pc.draft)
 
 
 def full_logits_last(model, ids):
@@ -134,6 +142,44 @@ def test_budget_holds_after_every_request(checkpoints):
     assert pc.stats.evicted_nodes + pc.stats.compacted_snapshots > 0
 
 
+def test_requests_under_the_budget_never_walk_the_trie(checkpoints, monkeypatch):
+    """The budget is checked at every prefill forward and every close: under the budget those checks
+    read the figure kept as nodes change, never walk every node (a server's trie holds thousands after
+    hours of traffic; walking it at each forward made every request slower than the one before)."""
+    model = load_model(checkpoints("qwen3_5_text").path, dtype=torch.float32, device="cpu")
+    pc = PrefixCache(model, ram_budget=1 << 40, plan=CapturePlan(cadence=16, tail=(1,)))
+    rng = random.Random(13)
+    for _ in range(12):
+        serve(pc, model, tokens(rng, 40), generate=3)
+    walks = []
+    nodes = Trie.nodes
+    monkeypatch.setattr(Trie, "nodes", lambda trie: walks.append(1) or nodes(trie))
+    serve(pc, model, tokens(rng, 60), generate=3)
+    assert walks == []
+    assert_counted(pc)
+
+
+def test_nodes_are_compacted_once(checkpoints, monkeypatch):
+    """At the budget every forward makes room; nodes compacted before have nothing left to drop and
+    are not gone through again."""
+    model = load_model(checkpoints("qwen3_5_text").path, dtype=torch.float32, device="cpu")
+    pc = PrefixCache(model, plan=CapturePlan(cadence=8, tail=(1, 3)))
+    rng = random.Random(14)
+    for _ in range(6):
+        serve(pc, model, tokens(rng, 40), generate=2)
+    pc.ram_budget = 0
+    pc.enforce_budget(delete=False)  # compacts every node, deletes none
+    assert pc.stats.compacted_snapshots > 0
+    assert_counted(pc)
+    calls = []
+    for kind in {type(c) for c in pc.caches if c is not None}:
+        compact = kind.compact
+        monkeypatch.setattr(kind, "compact", lambda cache, snap, f=compact: calls.append(1) or f(cache, snap))
+    pc.enforce_budget(delete=False)
+    assert calls == []
+    assert_counted(pc)
+
+
 class PrefixMachine(RuleBasedStateMachine):
     """Random begin / prefill / generate / cancel / budget sequences against the oracle."""
 
@@ -191,6 +237,7 @@ class PrefixMachine(RuleBasedStateMachine):
             for snap in node.snaps:
                 if snap is not None:
                     assert not snap.closed and (snap.start, snap.end) == (node.start, node.end)
+        assert_counted(pc)
         if pc.ram_budget is not None:
             assert pc.nbytes <= pc.ram_budget or pc.node_count == len(pc.live_path())
 

@@ -18,7 +18,7 @@ from hybridlm.cache.kv import KVCache, held_bytes
 from hybridlm.models import load_model
 from hybridlm.prefix.cache import CapturePlan, PrefixCache
 from hybridlm.prefix.disk import DiskTier, model_fingerprint
-from tests.prefix.test_cache import Oracle, full_logits_last, serve, tokens
+from tests.prefix.test_cache import Oracle, assert_counted, full_logits_last, serve, tokens
 
 
 def kv_caches(sessions) -> list[KVCache]:
@@ -159,6 +159,10 @@ class SharedRestoreMachine(RuleBasedStateMachine):
     @rule()
     def lift_budget(self):
         self.pc.ram_budget = None
+
+    @invariant()
+    def counted_bytes_are_the_nodes(self):
+        assert_counted(self.pc)
 
     @invariant()
     def read_rows_never_change(self):

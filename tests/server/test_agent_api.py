@@ -330,6 +330,19 @@ def test_ollama_tools_and_listing(llama):
     assert e.value.status_code == 400 and "temperature" in e.value.error
 
 
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [("num_predict", "x"), ("num_predict", [4]), ("stop", 5), ("stop", {"a": 1}), ("temperature", "hot")],
+)
+@pytest.mark.parametrize("path", ["/api/chat", "/api/generate"])
+def test_ollama_option_of_the_wrong_type_is_a_400(server, auth, path, option, value):
+    body = {"model": MODEL, "stream": False, "options": {option: value}}
+    body |= {"messages": unique("x")} if path == "/api/chat" else {"prompt": "x"}
+    r = httpx.post(server.url + path, headers=auth, json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    assert set(r.json()) == {"error"} and f"options.{option}" in r.json()["error"]
+
+
 def test_ollama_errors_and_version_are_plain_json(server, auth):
     r = httpx.post(server.url + "/api/chat", headers=auth, content=b"{", timeout=10)
     assert r.status_code == 400 and set(r.json()) == {"error"}

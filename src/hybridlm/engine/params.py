@@ -106,10 +106,17 @@ class SamplingParams:
             _integer("seed", self.seed, _SEED_RANGE[0], _SEED_RANGE[1] - 1)
         if self.max_tokens is not None:
             _integer("max_tokens", self.max_tokens, 1)
+        # Only a string or a sequence: tuple() would take any iterable (a dict's keys) or raise TypeError.
+        if not isinstance(self.stop, str | list | tuple):
+            raise InvalidParameter("stop", f"stop must be a string or a list of strings, got {self.stop!r}")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if any(not isinstance(s, str) or not s for s in stop):
             raise InvalidParameter("stop", f"stop must be non-empty strings, got {self.stop!r}")
         object.__setattr__(self, "stop", stop)
+        if not isinstance(self.stop_token_ids, list | tuple):
+            raise InvalidParameter(
+                "stop_token_ids", f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}"
+            )
         ids = tuple(self.stop_token_ids)
         for i in ids:
             _integer("stop_token_ids", i, 0)

@@ -250,6 +250,12 @@ class PrefixCache:
         self._begun = 0
         self.layers = [i for i, c in enumerate(self.caches) if c is not None]
         self.trie = Trie()
+        # What each trie node counts against the RAM budget (`budgeted`), and their sum: kept as nodes
+        # change (`_recount`), so the budget checks every forward makes cost O(1), not a walk of the
+        # whole trie (thousands of nodes after hours of traffic).
+        self._counted: dict[int, int] = {}
+        self._trie_bytes = 0
+        self._compacted: set[int] = set()  # nodes whose snapshots compacting cannot shrink any more
         self.ram_budget = ram_budget
         self.plan = plan or CapturePlan()
         self.stats = CacheStats()
@@ -330,7 +336,23 @@ class PrefixCache:
         """Bytes counted against the RAM budget: the trie's RAM snapshots (lazy ones at the size of
         their rows) plus the running prefills' captures not yet kept."""
         with self.lock:
-            return sum(budgeted(node) for node in self.trie.nodes()) + self.pending_bytes
+            return self._trie_bytes + self.pending_bytes
+
+    def _recount(self, *nodes: Node) -> None:
+        """Update what `nodes` count against the RAM budget after their snapshots, hidden log or tier
+        changed (a node out of the trie counts 0). Every change to a trie node's snapshots goes
+        through here: a snapshot's count never changes on its own (a lazy one counts its rows' size
+        before its copy-out as after)."""
+        for node in nodes:
+            self._compacted.discard(node.id)
+            now = budgeted(node) if _attached(node) else 0
+            self._trie_bytes += now - self._counted.pop(node.id, 0)
+            if now:
+                self._counted[node.id] = now
+
+    def _counted_bytes(self, node: Node) -> int:
+        """What `node` counts against the RAM budget now (`budgeted(node)`, kept by `_recount`)."""
+        return self._counted.get(node.id, 0)
 
     def _session_captures(self, slot: Slot) -> tuple[list[Snapshot], list[Snapshot]]:
         """(captures of `slot`'s session — its prompt's restore points — , other captures: working
@@ -637,6 +659,7 @@ class PrefixCache:
             for node in self.trie.match(session.prompt[: session.stored])[0]:
                 if node.start >= session.cached:
                     node.hidden = None
+                    self._recount(node)
 
     def _close(self, session: Session) -> None:
         with self.lock:
@@ -718,6 +741,7 @@ class PrefixCache:
                 path, stored = self.trie.match(fed)
         if path and path[-1].start < stored < path[-1].end:
             parent = self.trie.split(path[-1], stored, self.caches)
+            self._recount(parent, path[-1])
         else:
             parent = path[-1] if path and stored == path[-1].end else self.trie.root
         for k, snaps in enumerate(pieces):
@@ -743,6 +767,7 @@ class PrefixCache:
                 break
             rows = None if hidden is None else hidden[lo - bounds[0] : hi - bounds[0]].clone()
             parent = self.trie.attach(parent, fed[lo:hi], snaps, rows)
+            self._recount(parent)
 
     def keep_budget(self) -> None:
         """After a prefill forward (its reservation released): evict as `enforce_budget` does if what
@@ -814,11 +839,12 @@ class PrefixCache:
             self._enforce(reserve, keep, delete)
 
     def _enforce(self, reserve: int, keep: frozenset[int], delete: bool = True) -> None:
-        protected = self.live_path()
         if self._budget() is not None:
-            keep = keep | self.locked()
             room = self._limit() - reserve - self.reserved_bytes
             total = self.nbytes
+            if total > room:  # what is protected takes walks of the slots' paths and of the trie
+                protected = self.live_path()
+                keep = keep | self.locked()
             for on_live_path in (False, True):
                 if total <= room:
                     break
@@ -843,19 +869,24 @@ class PrefixCache:
 
     def _compact(self, total: int, eligible, room: int) -> int:
         now = time.monotonic()
-        for node in sorted(self.trie.nodes(), key=lambda n: self._value(n, now)):
+        # Nodes compacted before have nothing left to drop: at the budget, where every forward makes
+        # room, going through them all again (and their idle readers' `_unread`) would be wasted.
+        nodes = [n for n in self.trie.nodes() if n.id not in self._compacted and not n.on_disk]
+        for node in sorted(nodes, key=lambda n: self._value(n, now)):
             if total <= room:
                 break
-            if not eligible(node) or node.on_disk:
+            if not eligible(node):
                 continue
-            before = budgeted(node)
+            before = self._counted_bytes(node)
             windows = [getattr(c, "window", None) for c, s in zip(self.caches, node.snaps, strict=True) if s]
             if any(windows):
                 self._unread(node)  # sliding rows compact into new tensors: the read ones would stay
             node.snaps = [None if s is None else self.caches[i].compact(s) for i, s in enumerate(node.snaps)]
-            if budgeted(node) < before:
+            self._recount(node)
+            self._compacted.add(node.id)
+            if self._counted_bytes(node) < before:
                 self.stats.compacted_snapshots += 1
-                total -= before - budgeted(node)
+                total -= before - self._counted_bytes(node)
         return total
 
     def _demote(self, total: int, eligible, room: int, displace: bool) -> int:
@@ -864,7 +895,7 @@ class PrefixCache:
         if self.disk is None or total <= room:
             return total
         now = time.monotonic()
-        nodes = [n for n in self.trie.nodes() if eligible(n) and not n.on_disk and budgeted(n)]
+        nodes = [n for n in self.trie.nodes() if eligible(n) and not n.on_disk and self._counted_bytes(n)]
         for node in sorted(nodes, key=lambda n: self._value(n, now)):
             if total <= room:
                 break
@@ -893,7 +924,7 @@ class PrefixCache:
         """Recompute work saved per byte held, decayed by idle time: tokens / bytes / (1 + idle/5min).
         Bytes are the node's tier's (its file on disk, its snapshots in RAM) unless given."""
         if nbytes is None:
-            nbytes = node.file_bytes if node.on_disk else budgeted(node)
+            nbytes = node.file_bytes if node.on_disk else self._counted_bytes(node)
         return len(node.tokens) / max(nbytes, 1) / (1.0 + (now - node.last_used) / 300.0)
 
     def _remove_leaf(self, node: Node) -> None:
@@ -902,6 +933,7 @@ class PrefixCache:
         else:
             self._unread(node)
         self.trie.remove_leaf(node)
+        self._recount(node)
 
     def _remove_subtree(self, node: Node) -> int:
         """Delete `node` and every node below it (snapshots freed, files deleted); returns how many."""
@@ -943,6 +975,7 @@ class PrefixCache:
             StoredSnapshot(stored.layers[i]) if i in stored.layers else None for i in range(len(node.snaps))
         ]
         node.file, node.file_bytes = stored.name, stored.nbytes
+        self._recount(node)
         self.stats.disk_writes += 1
         self.stats.disk_written_bytes += stored.nbytes
         return True
@@ -993,6 +1026,7 @@ class PrefixCache:
         self.disk.delete(node.file)
         node.snaps = [snaps.get(i) for i in range(len(self.caches))]
         node.file, node.file_bytes = None, 0
+        self._recount(node)
         return True
 
     def _adopt(self) -> None:
@@ -1043,6 +1077,7 @@ class PrefixCache:
             return "another file holds its edge"
         node = self.trie.attach(parent, stored.tokens[stored.start :], stubs)
         node.file, node.file_bytes = stored.name, stored.nbytes
+        self._recount(node)
         node.last_used = monotonic_of(stored.last_used)
         return None
 

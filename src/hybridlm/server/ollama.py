@@ -74,7 +74,9 @@ def sampling_params(options: dict[str, Any] | None) -> SamplingParams:
     for key, value in (options or {}).items():
         if key in _OPTIONS and value is not None:
             given[_OPTIONS[key]] = value
-    if given.get("max_tokens") is not None and given["max_tokens"] < 0:  # ollama's "until done"
+    limit = given.get("max_tokens")
+    # ollama's "until done" (-1, -2); any other value, of any type, is SamplingParams' to judge.
+    if isinstance(limit, int) and not isinstance(limit, bool) and limit < 0:
         del given["max_tokens"]
     try:
         return SamplingParams(**given)
