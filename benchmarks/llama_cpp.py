@@ -196,6 +196,13 @@ def serve_table(summary: dict) -> str:
     return "\n".join(rows)
 
 
+def write_report(args, command: str, rounds: list, summary: dict) -> None:
+    """With --json, every measurement and the summary to that file."""
+    if args.json:
+        report = {"command": command, "settings": vars(args), "rounds": rounds, "summary": summary}
+        Path(args.json).write_text(json.dumps(report, indent=2))
+
+
 # --- the model and its GGUFs ---------------------------------------------------------------------------
 
 
@@ -382,13 +389,7 @@ def cmd_forward(args) -> int:
         f"load average {min(loads):.2f}..{max(loads):.2f}; llama.cpp build {rounds[0]['llama_cpp']['build']}"
     )
     print(forward_table(summary))
-    if args.json:
-        Path(args.json).write_text(
-            json.dumps(
-                {"command": "forward", "settings": vars(args), "rounds": rounds, "summary": summary},
-                indent=2,
-            )
-        )
+    write_report(args, "forward", rounds, summary)
     return 0
 
 
@@ -556,13 +557,7 @@ def cmd_serve(args) -> int:
     if args.clients != SERVE_TARGET_CLIENTS:
         print(f"(the target, ≥{SERVE_TARGET:g}x, is for {SERVE_TARGET_CLIENTS} clients)")
     print(serve_table(summary))
-    if args.json:
-        Path(args.json).write_text(
-            json.dumps(
-                {"command": "serve", "settings": vars(args), "rounds": rounds, "summary": summary},
-                indent=2,
-            )
-        )
+    write_report(args, "serve", rounds, summary)
     return 0
 
 
