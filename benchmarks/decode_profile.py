@@ -6,9 +6,11 @@
 Each leaf op the layers call (every linear layer by shape, the causal conv, the gated delta scan,
 attention, rotary, the MLP activation, norms, the embedding) is timed around its call; "rest" is
 the step's time outside them (the Python of the layers and blocks, residual adds, cache
-bookkeeping, the logits' float conversion). A step with the timers is a little slower than one
-without (both printed). Linear rows show GB/s of the bytes they read (weights as stored, scales
-included), and the step's bandwidth limit is the read bandwidth ÷ all those bytes.
+bookkeeping, the logits' float conversion). The timers wrap the modules, so the timed steps run
+through them (`without_plans`); a step with the timers is a little slower than one without, and a
+one-sequence step by the model's decode plan (`models.decode`) faster still (all three printed).
+Linear rows show GB/s of the bytes they read (weights as stored, scales included), and the step's
+bandwidth limit is the read bandwidth ÷ all those bytes.
 
 With ``--sequences N`` a step is one `forward_packed` over N sequences, each with its own caches
 prefilled with its own ``--context`` tokens (at offsets ``context + i``, so no two are aligned), one
@@ -30,6 +32,7 @@ from hybridlm.bench.forward import preset_dir
 from hybridlm.bench.limits import memory_bandwidth_gbs
 from hybridlm.models import load_model
 from hybridlm.models.base import forward_packed
+from hybridlm.models.decode import without_plans
 from hybridlm.ops import norms
 from hybridlm.ops.linear import Linear
 from hybridlm.ops.quant import QuantLinear
@@ -96,6 +99,9 @@ def main() -> None:
         offsets.append(args.context + i)
     plain, logits, offsets = steps(model, caches, logits, offsets, args.steps + 3)
     plain = sorted(plain[3:])
+    with without_plans():
+        modular, logits, offsets = steps(model, caches, logits, offsets, args.steps + 3)
+    modular = sorted(modular[3:])
 
     spent: dict[str, float] = collections.defaultdict(float)
     calls: collections.Counter[str] = collections.Counter()
@@ -122,10 +128,11 @@ def main() -> None:
             module.forward = timed(name, module.forward)
             handles.append(module)
     try:
-        _, logits, offsets = steps(model, caches, logits, offsets, 3)
-        spent.clear()
-        calls.clear()
-        profiled, _, _ = steps(model, caches, logits, offsets, args.steps)
+        with without_plans():  # the plan calls the kernels directly: time the modules' path
+            _, logits, offsets = steps(model, caches, logits, offsets, 3)
+            spent.clear()
+            calls.clear()
+            profiled, _, _ = steps(model, caches, logits, offsets, args.steps)
     finally:
         for name, fn in originals.items():
             setattr(layers_mod, name, fn)
@@ -138,7 +145,8 @@ def main() -> None:
     print(f"{args.preset} {args.quantize or 'bf16'}, {args.threads} threads, {args.sequences} sequence(s), "
           f"{args.context}-token context, "
           f"read bandwidth {bandwidth:.1f} GB/s, load {os.getloadavg()[0]:.2f}")
-    print(f"step: {plain[len(plain) // 2] * 1e3:.2f} ms median without timers, {step * 1e3:.2f} ms mean "
+    print(f"step: {plain[len(plain) // 2] * 1e3:.2f} ms median (decode plan), through the modules "
+          f"{modular[len(modular) // 2] * 1e3:.2f} ms without timers, {step * 1e3:.2f} ms mean "
           f"with; {total_bytes / 1e6:.1f} MB of linear weights a step: limit "
           f"{bandwidth * 1e9 / total_bytes:.1f} tok/s ({total_bytes / bandwidth / 1e6:.2f} ms)")
     print(f"{'op':<28}{'calls':>6}{'ms/step':>9}{'share':>7}{'GB/s':>7}")

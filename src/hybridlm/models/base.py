@@ -9,6 +9,7 @@ from torch import nn
 
 from hybridlm.batch import Batch, Packed
 from hybridlm.cache.base import LayerCache
+from hybridlm.models.decode import decode_plan, forget_plan
 from hybridlm.ops.linear import rowwise
 
 
@@ -90,6 +91,10 @@ class CausalLM(nn.Module):
     def vocab_size(self) -> int:
         return self.lm_head.out_features
 
+    def _apply(self, fn, recurse=True):
+        forget_plan(self)  # a plan checks dtypes and devices when it is built
+        return super()._apply(fn, recurse)
+
     def make_caches(self, batch_size: int = 1) -> list[LayerCache | None]:
         return [layer.make_cache(batch_size, self.dtype, self.device) for layer in self.model.layers]
 
@@ -100,7 +105,12 @@ class CausalLM(nn.Module):
         """Per-forward shared tensors (rotary tables) go into `batch.memo` here."""
 
     def hidden_states(self, batch: Batch, caches: list[LayerCache | None]) -> torch.Tensor:
-        """[B, L, d] final-normed hidden states; advances every cache by the batch."""
+        """[B, L, d] final-normed hidden states; advances every cache by the batch. A one-token decode
+        step runs as the model's `DecodePlan` (the same kernels on the same inputs, without the
+        modules' per-call Python)."""
+        plan = decode_plan(self, batch)
+        if plan is not None:
+            return plan(self, batch, caches)
         self.prepare(batch)
         h = self.embed(batch)
         for layer, cache in zip(self.model.layers, caches, strict=True):

@@ -1,0 +1,331 @@
+"""One-token decode steps as straight-line kernel calls (`DecodePlan`).
+
+A decode step of a model built from the shared layers is ~300 module calls, each checking its inputs
+and choosing a path before it reaches its kernel. At one bf16 row on the CPU every call reaches the
+same kernel step after step, and the choosing costs ≈ 5 ms a step on the Qwen3.5-0.8B preset (a
+fifth of an int4 step). A plan makes the choices once per model and runs a step as the kernels'
+calls on the inputs the layers would hand them: the same kernels on the same inputs, so the same
+bits as the module path (tests/models/test_decode.py). Caches advance through their own methods
+(`get` / `put` / `update`), so captures, recording and copy-on-write behave as in any forward.
+
+What the plan does not know runs as its module: a layer that is not a `DecoderLayer`, a mixer or MLP
+other than `GatedDeltaNet`, `Attention` and `GatedMLP`, a linear or norm without its kernel, a scan
+step that must report split states. `CausalLM.hidden_states` takes a plan for a B = 1 batch of one
+token on a bf16 CPU model outside `prompt_rows` (whose rows take prefill's integer path) and
+`without_plans`; ``HYBRIDLM_DECODE_PLAN=0`` turns plans off.
+
+A plan holds the modules it was built from and checks each step that they are still in place (a
+module swapped by `quantize_` or fusion builds a new plan); it reads parameters from their modules'
+dicts at every call, so reassigned weights are read as they are.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+
+import torch
+from torch import nn
+
+from hybridlm.batch import Batch
+from hybridlm.models.layers import Attention, DecoderLayer, GatedDeltaNet, GatedMLP, rope_tables
+from hybridlm.ops.conv import CONV_KERNEL
+from hybridlm.ops.elementwise import elementwise_rows
+from hybridlm.ops.gated_delta import GDN_KERNEL
+from hybridlm.ops.linear import KERNEL as BF16_KERNEL
+from hybridlm.ops.linear import FusedLinear, Linear, kernel_rows
+from hybridlm.ops.native import ThreadFlag
+from hybridlm.ops.norms import (
+    FUSED_MAX_NUMEL,
+    GATED,
+    NORM_KERNEL,
+    OFFSET,
+    RMS,
+    GatedRMSNorm,
+    OffsetRMSNorm,
+    RMSNorm,
+)
+from hybridlm.ops.quant import INT4_KERNEL, INT8_KERNEL, QuantLinear
+from hybridlm.ops.quant_gemm import prompt_rows_on
+from hybridlm.ops.rope import apply_rotary
+
+BF16 = torch.bfloat16
+Op = Callable[..., torch.Tensor]
+
+_PLANS: weakref.WeakKeyDictionary[nn.Module, DecodePlan | None] = weakref.WeakKeyDictionary()
+_OFF = ThreadFlag()
+
+
+def without_plans() -> AbstractContextManager[None]:
+    """Inside, (on this thread) decode steps run through the modules: the path a plan replaces, for
+    profiles and comparisons."""
+    return _OFF.raised()
+
+
+def decode_plan(model: nn.Module, batch: Batch) -> DecodePlan | None:
+    """`model`'s plan when `batch` is one token of one sequence and a plan applies, else None."""
+    one_token = type(batch) is Batch and batch.input_ids.shape == (1, 1) and batch.query_lens[0] == 1
+    if not one_token or prompt_rows_on() or _OFF:
+        return None
+    if model not in _PLANS:
+        _PLANS[model] = DecodePlan.build(model)
+    plan = _PLANS[model]
+    if plan is not None and not plan.current():
+        plan = _PLANS[model] = DecodePlan.build(model)
+    return plan
+
+
+def forget_plan(model: nn.Module) -> None:
+    """Drop `model`'s plan (its dtype or device is changing); the next decode step builds another."""
+    _PLANS.pop(model, None)
+
+
+class DecodePlan:
+    """The decode step of one model: per layer a function (h [1, 1, d], batch, cache) -> h. It holds
+    the model's modules, not the model (whose entry in the plans' weak table would then never die)."""
+
+    def __init__(self, layers: list[Op], norm: Op, watch: list):
+        self.layers, self.norm, self.watch = layers, norm, watch
+
+    @classmethod
+    def build(cls, model: nn.Module) -> DecodePlan | None:
+        """The plan of `model` (a `CausalLM` with `model.layers` and `model.norm`), or None where none
+        applies: plans turned off, weights not bf16 on the CPU."""
+        if os.environ.get("HYBRIDLM_DECODE_PLAN", "1") == "0":
+            return None
+        embed = model.model.embed_tokens.weight
+        if embed.dtype is not BF16 or not embed.is_cpu:
+            return None
+        watch: list[tuple[dict, str, nn.Module]] = []
+        stack = model.model.layers
+        layers = [_layer_op(_child(stack, str(i), watch), watch) for i in range(len(stack))]
+        return cls(layers, _norm_op(_child(model.model, "norm", watch)), watch)
+
+    def current(self) -> bool:
+        """Whether every module the plan runs is still where it was when the plan was built."""
+        return all(modules.get(name) is module for modules, name, module in self.watch)
+
+    def __call__(self, model: nn.Module, batch: Batch, caches: list) -> torch.Tensor:
+        """`model.hidden_states` of a one-token batch: [1, 1, d] final-normed; advances the caches."""
+        model.prepare(batch)
+        h = model.embed(batch)
+        for layer, cache in zip(self.layers, caches, strict=True):
+            h = layer(h, batch, cache)
+        return self.norm(h)
+
+
+def _child(parent: nn.Module, name: str, watch: list) -> nn.Module:
+    """`parent`'s submodule `name`, remembered so the plan notices when it is replaced."""
+    module = parent._modules[name]
+    watch.append((parent._modules, name, module))
+    return module
+
+
+def _layer_op(layer: nn.Module, watch: list) -> Op:
+    if type(layer) is not DecoderLayer:
+        return layer
+    mixer = _child(layer, layer.mixer_name, watch)
+    if type(mixer) is GatedDeltaNet:
+        mix = _gdn_op(mixer, watch)
+    elif type(mixer) is Attention:
+        mix = _attention_op(mixer, watch)
+    else:
+        mix = mixer
+    mlp = _child(layer, "mlp", watch)
+    ffn = _mlp_op(mlp, watch) if type(mlp) is GatedMLP else mlp
+    pre = _norm_op(_child(layer, "input_layernorm", watch))
+    post = _norm_op(_child(layer, "post_attention_layernorm", watch))
+
+    def step(h: torch.Tensor, batch: Batch, cache) -> torch.Tensor:
+        h = h + mix(pre(h), batch, cache)
+        return h + ffn(post(h))
+
+    return step
+
+
+def _linear_op(module: nn.Module, watch: list) -> Op:
+    """x [1, 1, in] bf16 -> what `module(x)` returns, by its decode kernel's call alone."""
+    if type(module) is FusedLinear:
+        proj, sizes = _linear_op(_child(module, "proj", watch), watch), module.sizes
+        return lambda x: torch.split_with_sizes(proj(x), sizes, dim=-1)
+    params, n, k = module._parameters, module.out_features, module.in_features
+    bias = params.get("bias")
+    if bias is not None and bias.dtype is not BF16:
+        return module
+    if type(module) is QuantLinear:
+        buffers = module._buffers
+        if not buffers["qweight"].is_cpu:
+            return module
+        bits, fn = module.bits, (INT8_KERNEL if module.bits == 8 else INT4_KERNEL).get()
+        fp16, group = int(buffers["scales"].dtype is torch.float16), module.group_size
+        if fn is None:
+            return module
+
+        def quantized(x: torch.Tensor) -> torch.Tensor:
+            if not x.is_contiguous():
+                x = x.contiguous()
+            y = x.new_empty((*x.shape[:-1], n))
+            b = params.get("bias")
+            b = None if b is None else b.data_ptr()
+            q, s = buffers["qweight"].data_ptr(), buffers["scales"].data_ptr()
+            threads = torch.get_num_threads()
+            if bits == 8:
+                fn(x.data_ptr(), 1, q, s, b, y.data_ptr(), n, k, threads)
+            else:
+                fn(x.data_ptr(), 1, q, s, fp16, b, y.data_ptr(), n, k, group, threads)
+            return y
+
+        return quantized
+    weight = params.get("weight")
+    fn = BF16_KERNEL.get()
+    if (
+        type(module) is not Linear
+        or fn is None
+        or kernel_rows() < 1
+        or weight.dtype is not BF16
+        or not weight.is_cpu
+        or not weight.is_contiguous()
+        or (bias is not None and not bias.is_contiguous())
+    ):
+        return module
+
+    def dense(x: torch.Tensor) -> torch.Tensor:
+        if not x.is_contiguous():
+            x = x.contiguous()
+        y = torch.empty((*x.shape[:-1], n), dtype=BF16)
+        b = params.get("bias")
+        b = None if b is None else b.data_ptr()
+        fn(x.data_ptr(), 1, params["weight"].data_ptr(), b, y.data_ptr(), n, k, torch.get_num_threads())
+        return y
+
+    return dense
+
+
+_NORM_MODES = {RMSNorm: RMS, OffsetRMSNorm: OFFSET, GatedRMSNorm: GATED}
+
+
+def _norm_op(module: nn.Module, width: int = 0) -> Op:
+    """x [..., D] (gated: and the gate) -> what `module` returns, by the fused norm's call alone;
+    `width` is the most elements an input has (0: one row of the weight's length)."""
+    mode, fn = _NORM_MODES.get(type(module)), NORM_KERNEL.get()
+    params = module._parameters
+    weight = params.get("weight")
+    if mode is None or fn is None or weight.dtype is not BF16 or max(width, weight.numel()) > FUSED_MAX_NUMEL:
+        return module
+    eps = module.eps
+
+    def norm(x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+        x = x.contiguous()
+        if gate is not None:
+            gate = gate.contiguous()
+        out = torch.empty_like(x)
+        d = x.shape[-1]
+        g = None if gate is None else gate.data_ptr()
+        fn(x.data_ptr(), params["weight"].data_ptr(), g, out.data_ptr(), x.numel() // d, d, eps, mode, 1)
+        return out
+
+    return norm
+
+
+def _projections(module: nn.Module, fused: str, parts: tuple[str, ...], watch: list) -> Op:
+    """x -> the outputs of `parts` (one call of the fused projection where the module has one)."""
+    if module._modules.get(fused) is not None:
+        return _linear_op(_child(module, fused, watch), watch)
+    ops = [_linear_op(_child(module, name, watch), watch) for name in parts]
+    return lambda x: tuple(op(x) for op in ops)
+
+
+def _mlp_op(mlp: GatedMLP, watch: list) -> Op:
+    """`GatedMLP.forward` of one row."""
+    gate_up = _projections(mlp, "gate_up", ("gate_proj", "up_proj"), watch)
+    down, act = _linear_op(_child(mlp, "down_proj", watch), watch), mlp.act
+
+    def ffn(x: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up(x)
+        return down(elementwise_rows(act, gate) * up)
+
+    return ffn
+
+
+def _gdn_op(m: GatedDeltaNet, watch: list) -> Op:
+    """`GatedDeltaNet.forward` of one token: the conv and scan kernels called as `mix` calls them when
+    the cache asks for no split states (else the layer's own `scan_history`)."""
+    project = _projections(m, "in_proj", ("in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b"), watch)
+    out_proj = _linear_op(_child(m, "out_proj", watch), watch)
+    norm = _norm_op(_child(m, "norm", watch), m.value_dim)
+    conv_params, params = _child(m, "conv1d", watch)._parameters, m._parameters
+    conv_fn, scan_fn = CONV_KERNEL.get(), GDN_KERNEL.get()
+    channels, width, hk, hv, dk, dv = m.conv_dim, m.kernel, m.k_heads, m.v_heads, m.k_dim, m.v_dim
+    fused = (
+        conv_fn is not None
+        and scan_fn is not None
+        and width > 1
+        and conv_params["weight"].dtype is BF16
+        and conv_params.get("bias") is None
+        and params["A_log"].dtype in (BF16, torch.float32)
+        and params["dt_bias"].dtype is params["A_log"].dtype
+    )
+    a_bf16 = int(params["A_log"].dtype is BF16)
+
+    def scan(batch: Batch, cache, qkv: torch.Tensor, ab: torch.Tensor) -> torch.Tensor:
+        hist = cache.get(batch)
+        state, prior = hist.state, hist.conv_tail
+        if not (fused and not hist.splits and prior.dtype is BF16 and state.dtype is torch.float32
+                and state.is_contiguous()):
+            return m.scan_history(batch, cache, hist, qkv, ab)
+        threads = torch.get_num_threads()
+        qkv, prior = qkv.contiguous(), prior.contiguous()
+        x = torch.empty(1, 1, channels, dtype=BF16)
+        tail = torch.empty(1, width - 1, channels, dtype=BF16)
+        conv_fn(qkv.data_ptr(), prior.data_ptr(), conv_params["weight"].data_ptr(), None, x.data_ptr(),
+                tail.data_ptr(), None, None, 0, None, 1, 1, channels, width, 1, 1, threads)
+        o = torch.empty(1, 1, hv, dv, dtype=BF16)
+        scan_fn(x.data_ptr(), ab.data_ptr(), params["A_log"].data_ptr(), params["dt_bias"].data_ptr(),
+                state.data_ptr(), o.data_ptr(), None, None, 0, None, 1, 1, hk, hv, dk, dv, dk**-0.5, 1,
+                a_bf16, threads)
+        record = hist.record
+        cache.put(batch, tail, state, [], inputs=qkv if record else None, gates=ab if record else None)
+        return o
+
+    def mix(x: torch.Tensor, batch: Batch, cache) -> torch.Tensor:
+        qkv, z, a, b = project(x)
+        o = scan(batch, cache, qkv, torch.cat([a, b], dim=-1))
+        o = norm(o, z.view(1, 1, hv, dv))
+        return out_proj(o.reshape(1, 1, hv * dv))
+
+    return mix
+
+
+def _attention_op(m: Attention, watch: list) -> Op:
+    """`Attention.forward` of one token."""
+    project = _projections(m, "qkv_proj", ("q_proj", "k_proj", "v_proj"), watch)
+    o_proj = _linear_op(_child(m, "o_proj", watch), watch)
+    heads, kv_heads, head_dim, gated, rotary = m.heads, m.kv_heads, m.head_dim, m.gated, m.rotary
+    q_norm = k_norm = None
+    if m.q_norm is not None:
+        q_norm = _norm_op(_child(m, "q_norm", watch), heads * head_dim)
+        k_norm = _norm_op(_child(m, "k_norm", watch), kv_heads * head_dim)
+    attend = m.attend
+
+    def mix(x: torch.Tensor, batch: Batch, cache) -> torch.Tensor:
+        q, k, v = project(x)
+        gate = None
+        if gated:
+            q, gate = q.view(1, 1, heads, 2 * head_dim).chunk(2, dim=-1)
+            gate = gate.reshape(1, 1, -1)
+        else:
+            q = q.view(1, 1, heads, head_dim)
+        k, v = k.view(1, 1, kv_heads, head_dim), v.view(1, 1, kv_heads, head_dim)
+        if q_norm is not None:
+            q, k = q_norm(q), k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        cos, sin = rope_tables(batch, rotary, q.dtype)
+        o = attend(batch, cache, apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v)
+        o = o.transpose(1, 2).reshape(1, 1, -1)
+        if gate is not None:
+            o = o * elementwise_rows(torch.sigmoid, gate)
+        return o_proj(o)
+
+    return mix

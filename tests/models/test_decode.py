@@ -1,0 +1,194 @@
+"""Decode plans (`models.decode`): a one-token step run by the model's plan equals the same step through
+its modules bit for bit (logits, hidden states, every cache and capture), for every family, weight
+format and cache situation a decode step meets; and the plan really runs in place of the modules."""
+
+from __future__ import annotations
+
+import gc
+import random
+import weakref
+from contextlib import nullcontext
+
+import pytest
+import torch
+
+from hybridlm.batch import Batch
+from hybridlm.cache import KVCache
+from hybridlm.cache.recurrent import ScanCache
+from hybridlm.models import decode, load_model
+from hybridlm.models.layers import Attention, DecoderLayer, GatedDeltaNet, GatedMLP
+from hybridlm.ops.quant import quantize_
+from hybridlm.ops.quant_gemm import prompt_rows
+
+FAMILIES = ["qwen3_5_text", "qwen3_next", "lfm2", "gemma3_text", "gemma4_text", "dense_qwen3", "dense_llama"]
+# The families whose every layer the plan runs without a module call.
+PLANNED = ["qwen3_5_text", "dense_qwen3", "dense_llama"]
+STEPS = 6
+
+
+def tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(1, 500) for _ in range(n)]
+
+
+def cache_tensors(cache) -> list[torch.Tensor]:
+    """What a cache holds for the next forward: a scan cache's conv tail and state, a KV cache's rows."""
+    if isinstance(cache, ScanCache):
+        return [t for t in (cache.conv_tail, cache.state) if t is not None]
+    if isinstance(cache, KVCache):
+        return list(cache.rows(cache.first_held, cache.offset))
+    return []
+
+
+def snapshot_tensors(snaps) -> list[torch.Tensor]:
+    out = []
+    for snap in snaps:
+        _, tensors = snap.to_state()
+        out += [tensors[k] for k in sorted(tensors)]
+    return out
+
+
+def assert_same(got: list[torch.Tensor], want: list[torch.Tensor], what: str) -> None:
+    assert len(got) == len(want), what
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape and g.dtype == w.dtype, what
+        assert g.equal(w), f"{what}: max |diff| {(g.float() - w.float()).abs().max():.3e}"
+
+
+def run_steps(model, prompt, steps, *, planned: bool, prepare=None, hidden=None):
+    """Prefill `prompt`, then decode `steps` one token at a time with or without plans: (per step output,
+    caches)."""
+    caches = model.make_caches(1)
+    model(Batch.single(prompt), caches)
+    if prepare is not None:
+        prepare(caches)
+    outs = []
+    with nullcontext() if planned else decode.without_plans():
+        for i, token in enumerate(steps):
+            out = model(Batch.single([token], offset=len(prompt) + i), caches, hidden=hidden)
+            outs.append(out if hidden else (out,))
+    return outs, caches
+
+
+def check(model, *, prepare=None, hidden=None, seed=3):
+    rng = random.Random(seed)
+    prompt, steps = tokens(rng, 11), tokens(rng, STEPS)
+    kw = dict(prepare=prepare, hidden=hidden)
+    got, got_caches = run_steps(model, prompt, steps, planned=True, **kw)
+    want, want_caches = run_steps(model, prompt, steps, planned=False, **kw)
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert_same(list(g), list(w), f"step {i}")
+    for i, (g, w) in enumerate(zip(got_caches, want_caches, strict=True)):
+        if g is None:
+            continue
+        assert g.offset == w.offset
+        assert_same(cache_tensors(g), cache_tensors(w), f"layer {i} cache")
+        snaps = [snapshot_tensors(c.take_snapshots()) for c in (g, w)]
+        assert_same(*snaps, f"layer {i} captures")
+    return got_caches
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_planned_steps_equal_the_modules_bitwise(checkpoints, name):
+    """Six decode steps after an 11-token prefill: logits and every layer's cache equal, bit for bit,
+    those of the same steps through the modules."""
+    model = load_model(checkpoints(name).path, dtype=torch.bfloat16, device="cpu")
+    check(model)
+
+
+@pytest.mark.parametrize("quantize", ["int8", "int4"])
+@pytest.mark.parametrize("name", ["qwen3_5_text", "dense_llama", "lfm2"])
+def test_quantized_planned_steps_equal_the_modules_bitwise(checkpoints, name, quantize):
+    """The same with int8 / int4 weights (the quantized decode kernels' calls)."""
+    model = load_model(checkpoints(name).path, dtype=torch.bfloat16, device="cpu", quantize=quantize)
+    check(model)
+
+
+@pytest.mark.parametrize("hidden", ["last", "all"])
+def test_planned_steps_return_the_modules_hidden_states(checkpoints, hidden):
+    """forward(hidden=...) (what a drafter reading the target's states asks for) returns the same
+    logits and final-normed hidden states."""
+    model = load_model(checkpoints("qwen3_5_text").path, dtype=torch.bfloat16, device="cpu")
+    check(model, hidden=hidden)
+
+
+def test_captures_and_recorded_inputs_equal_the_modules(checkpoints):
+    """Range captures scheduled inside the decode steps (recurrent layers record their scan inputs and
+    report the states at the split points, which the plan hands to the layer's own scan) give the same
+    snapshots as the modules."""
+    model = load_model(checkpoints("qwen3_5_text").path, dtype=torch.bfloat16, device="cpu")
+
+    def prepare(caches):
+        for cache in caches:
+            cache.prepare_snapshots([13, 15, 17], ranges=True)
+
+    caches = check(model, prepare=prepare)
+    assert any(isinstance(c, ScanCache) and c.record for c in caches)
+
+
+@pytest.mark.parametrize("name", PLANNED)
+def test_the_plan_runs_no_layer_module(checkpoints, name, monkeypatch):
+    """With a plan a decode step calls none of the layers' forwards (it is not the module path under
+    another name); prefill still does."""
+    model = load_model(checkpoints(name).path, dtype=torch.bfloat16, device="cpu", quantize="int4")
+    calls = []
+    for cls in (DecoderLayer, GatedDeltaNet, Attention, GatedMLP):
+        def counted(self, *args, _forward=cls.forward, **kwargs):
+            calls.append(self)
+            return _forward(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, "forward", counted)
+    caches = model.make_caches(1)
+    model(Batch.single([5, 6, 7]), caches)
+    assert calls
+    calls.clear()
+    model(Batch.single([8], offset=3), caches)
+    assert calls == []
+
+
+def test_prompt_rows_and_longer_batches_take_the_modules(checkpoints):
+    """A one-token prompt suffix (under `prompt_rows`: prefill's integer path), batches of more than
+    one token or sequence and steps inside `without_plans` get no plan."""
+    model = load_model(checkpoints("qwen3_5_text").path, dtype=torch.bfloat16, device="cpu", quantize="int8")
+    assert decode.decode_plan(model, Batch.single([5], offset=2)) is not None
+    with prompt_rows():
+        assert decode.decode_plan(model, Batch.single([5], offset=2)) is None
+    with decode.without_plans():
+        assert decode.decode_plan(model, Batch.single([5], offset=2)) is None
+    assert decode.decode_plan(model, Batch.single([5, 6])) is None
+    assert decode.decode_plan(model, Batch.ragged([[5], [6]])) is None
+
+
+def test_a_plan_follows_modules_swapped_after_it_was_built(checkpoints):
+    """Quantizing a model in place after a planned step builds a new plan: the next steps read the new
+    layers, equal to their module path."""
+    model = load_model(checkpoints("dense_llama").path, dtype=torch.bfloat16, device="cpu")
+    first = decode.decode_plan(model, Batch.single([5], offset=2))
+    quantize_(model.model, "int8")
+    assert not first.current()
+    assert decode.decode_plan(model, Batch.single([5], offset=2)) is not first
+    check(model)
+
+
+def test_no_plan_for_float32_models_or_when_turned_off(checkpoints, monkeypatch):
+    """float32 weights take the modules (the plan calls the bf16 kernels); so does every model with
+    HYBRIDLM_DECODE_PLAN=0. Converting a model drops its plan."""
+    model = load_model(checkpoints("qwen3_5_text").path, dtype=torch.float32, device="cpu")
+    batch = Batch.single([5], offset=2)
+    assert decode.decode_plan(model, batch) is None
+    model.to(torch.bfloat16)
+    assert decode.decode_plan(model, batch) is not None
+    monkeypatch.setenv("HYBRIDLM_DECODE_PLAN", "0")
+    other = load_model(checkpoints("qwen3_5_text").path, dtype=torch.bfloat16, device="cpu")
+    assert decode.decode_plan(other, batch) is None
+
+
+def test_a_plan_does_not_keep_its_model_alive(checkpoints):
+    """Plans live in a weak table keyed by the model: a model dropped after decoding is freed."""
+    model = load_model(checkpoints("qwen3_5_text").path, dtype=torch.bfloat16, device="cpu")
+    caches = model.make_caches(1)
+    model(Batch.single([5, 6]), caches)
+    model(Batch.single([7], offset=2), caches)
+    alive = weakref.ref(model)
+    del model, caches
+    gc.collect()
+    assert alive() is None
