@@ -1,6 +1,7 @@
-"""Decode plans (`models.decode`): a one-token step run by the model's plan equals the same step through
-its modules bit for bit (logits, hidden states, every cache and capture), for every family, weight
-format and cache situation a decode step meets; and the plan really runs in place of the modules."""
+"""Decode plans (`models.decode`): a decode or verify step (1 to FEW_TOKENS tokens of one sequence) run
+by the model's plan equals the same step through its modules bit for bit (logits, hidden states, every
+cache and capture), for every family, weight format and cache situation a step meets; and the plan
+really runs in place of the modules."""
 
 from __future__ import annotations
 
@@ -17,13 +18,15 @@ from hybridlm.cache import KVCache
 from hybridlm.cache.recurrent import ScanCache
 from hybridlm.models import decode, load_model
 from hybridlm.models.layers import Attention, DecoderLayer, GatedDeltaNet, GatedMLP
+from hybridlm.ops.native import FEW_TOKENS
 from hybridlm.ops.quant import quantize_
 from hybridlm.ops.quant_gemm import prompt_rows
 
 FAMILIES = ["qwen3_5_text", "qwen3_next", "lfm2", "gemma3_text", "gemma4_text", "dense_qwen3", "dense_llama"]
 # The families whose every layer the plan runs without a module call.
 PLANNED = ["qwen3_5_text", "dense_qwen3", "dense_llama"]
-STEPS = 6
+# Tokens per step: decode steps and verify passes (a current token and its drafts) up to FEW_TOKENS.
+STEPS = [1, 4, 1, FEW_TOKENS, 2, 1]
 
 
 def tokens(rng: random.Random, n: int) -> list[int]:
@@ -61,17 +64,19 @@ def run_steps(model, prompt, steps, *, planned: bool, prepare=None, hidden=None)
     model(Batch.single(prompt), caches)
     if prepare is not None:
         prepare(caches)
-    outs = []
+    outs, offset = [], len(prompt)
     with nullcontext() if planned else decode.without_plans():
-        for i, token in enumerate(steps):
-            out = model(Batch.single([token], offset=len(prompt) + i), caches, hidden=hidden)
+        for ids in steps:
+            rows = "last" if len(ids) == 1 else "all"
+            out = model(Batch.single(ids, offset=offset), caches, logits=rows, hidden=hidden)
             outs.append(out if hidden else (out,))
+            offset += len(ids)
     return outs, caches
 
 
 def check(model, *, prepare=None, hidden=None, seed=3):
     rng = random.Random(seed)
-    prompt, steps = tokens(rng, 11), tokens(rng, STEPS)
+    prompt, steps = tokens(rng, 11), [tokens(rng, n) for n in STEPS]
     kw = dict(prepare=prepare, hidden=hidden)
     got, got_caches = run_steps(model, prompt, steps, planned=True, **kw)
     want, want_caches = run_steps(model, prompt, steps, planned=False, **kw)
@@ -89,8 +94,8 @@ def check(model, *, prepare=None, hidden=None, seed=3):
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_planned_steps_equal_the_modules_bitwise(checkpoints, name):
-    """Six decode steps after an 11-token prefill: logits and every layer's cache equal, bit for bit,
-    those of the same steps through the modules."""
+    """Decode steps and verify passes of 2 to FEW_TOKENS tokens after an 11-token prefill: logits and
+    every layer's cache equal, bit for bit, those of the same steps through the modules."""
     model = load_model(checkpoints(name).path, dtype=torch.bfloat16, device="cpu")
     check(model)
 
@@ -119,7 +124,7 @@ def test_captures_and_recorded_inputs_equal_the_modules(checkpoints):
 
     def prepare(caches):
         for cache in caches:
-            cache.prepare_snapshots([13, 15, 17], ranges=True)
+            cache.prepare_snapshots([12, 14, 15, 30, 35], ranges=True)
 
     caches = check(model, prepare=prepare)
     assert any(isinstance(c, ScanCache) and c.record for c in caches)
@@ -127,8 +132,8 @@ def test_captures_and_recorded_inputs_equal_the_modules(checkpoints):
 
 @pytest.mark.parametrize("name", PLANNED)
 def test_the_plan_runs_no_layer_module(checkpoints, name, monkeypatch):
-    """With a plan a decode step calls none of the layers' forwards (it is not the module path under
-    another name); prefill still does."""
+    """With a plan a decode step or verify pass calls none of the layers' forwards (it is not the module
+    path under another name); a longer prefill still does."""
     model = load_model(checkpoints(name).path, dtype=torch.bfloat16, device="cpu", quantize="int4")
     calls = []
     for cls in (DecoderLayer, GatedDeltaNet, Attention, GatedMLP):
@@ -138,23 +143,26 @@ def test_the_plan_runs_no_layer_module(checkpoints, name, monkeypatch):
 
         monkeypatch.setattr(cls, "forward", counted)
     caches = model.make_caches(1)
-    model(Batch.single([5, 6, 7]), caches)
+    prompt = list(range(5, 5 + FEW_TOKENS + 3))
+    model(Batch.single(prompt), caches)
     assert calls
     calls.clear()
-    model(Batch.single([8], offset=3), caches)
+    model(Batch.single([8], offset=len(prompt)), caches)
+    model(Batch.single([9, 10, 11], offset=len(prompt) + 1), caches, logits="all")
     assert calls == []
 
 
 def test_prompt_rows_and_longer_batches_take_the_modules(checkpoints):
-    """A one-token prompt suffix (under `prompt_rows`: prefill's integer path), batches of more than
-    one token or sequence and steps inside `without_plans` get no plan."""
+    """A prompt suffix (under `prompt_rows`: prefill's integer path), batches of more than FEW_TOKENS
+    tokens or of several sequences, and steps inside `without_plans` get no plan."""
     model = load_model(checkpoints("qwen3_5_text").path, dtype=torch.bfloat16, device="cpu", quantize="int8")
     assert decode.decode_plan(model, Batch.single([5], offset=2)) is not None
     with prompt_rows():
         assert decode.decode_plan(model, Batch.single([5], offset=2)) is None
     with decode.without_plans():
         assert decode.decode_plan(model, Batch.single([5], offset=2)) is None
-    assert decode.decode_plan(model, Batch.single([5, 6])) is None
+    assert decode.decode_plan(model, Batch.single([5] * FEW_TOKENS)) is not None
+    assert decode.decode_plan(model, Batch.single([5] * (FEW_TOKENS + 1))) is None
     assert decode.decode_plan(model, Batch.ragged([[5], [6]])) is None
 
 

@@ -105,9 +105,9 @@ class CausalLM(nn.Module):
         """Per-forward shared tensors (rotary tables) go into `batch.memo` here."""
 
     def hidden_states(self, batch: Batch, caches: list[LayerCache | None]) -> torch.Tensor:
-        """[B, L, d] final-normed hidden states; advances every cache by the batch. A one-token decode
-        step runs as the model's `DecodePlan` (the same kernels on the same inputs, without the
-        modules' per-call Python)."""
+        """[B, L, d] final-normed hidden states; advances every cache by the batch. A decode or verify
+        step (1 to `FEW_TOKENS` tokens of one sequence) runs as the model's `DecodePlan` (the same
+        kernels on the same inputs, without the modules' per-call Python)."""
         plan = decode_plan(self, batch)
         if plan is not None:
             return plan(self, batch, caches)

@@ -1,17 +1,18 @@
-"""One-token decode steps as straight-line kernel calls (`DecodePlan`).
+"""Decode steps as straight-line kernel calls (`DecodePlan`).
 
 A decode step of a model built from the shared layers is ~300 module calls, each checking its inputs
-and choosing a path before it reaches its kernel. At one bf16 row on the CPU every call reaches the
-same kernel step after step, and the choosing costs ≈ 5 ms a step on the Qwen3.5-0.8B preset (a
-fifth of an int4 step). A plan makes the choices once per model and runs a step as the kernels'
+and choosing a path before it reaches its kernel. At a few bf16 rows on the CPU (a decode step, a
+speculative verify pass: up to `FEW_TOKENS` tokens of one sequence) every call reaches the same
+kernel step after step, and the choosing costs ≈ 5 ms a step on the Qwen3.5-0.8B preset (a fifth of
+an int4 step). A plan makes the choices once per model and runs a step as the kernels'
 calls on the inputs the layers would hand them: the same kernels on the same inputs, so the same
 bits as the module path (tests/models/test_decode.py). Caches advance through their own methods
 (`get` / `put` / `update`), so captures, recording and copy-on-write behave as in any forward.
 
 What the plan does not know runs as its module: a layer that is not a `DecoderLayer`, a mixer or MLP
 other than `GatedDeltaNet`, `Attention` and `GatedMLP`, a linear or norm without its kernel, a scan
-step that must report split states. `CausalLM.hidden_states` takes a plan for a B = 1 batch of one
-token on a bf16 CPU model outside `prompt_rows` (whose rows take prefill's integer path) and
+step that must report split states. `CausalLM.hidden_states` takes a plan for a B = 1 batch of 1 to
+`FEW_TOKENS` tokens on a bf16 CPU model outside `prompt_rows` (whose rows take prefill's integer path) and
 `without_plans`; ``HYBRIDLM_DECODE_PLAN=0`` turns plans off.
 
 A plan holds the modules it was built from and checks each step that they are still in place (a
@@ -36,7 +37,7 @@ from hybridlm.ops.elementwise import elementwise_rows
 from hybridlm.ops.gated_delta import GDN_KERNEL
 from hybridlm.ops.linear import KERNEL as BF16_KERNEL
 from hybridlm.ops.linear import FusedLinear, Linear, kernel_rows
-from hybridlm.ops.native import ThreadFlag
+from hybridlm.ops.native import FEW_TOKENS, ThreadFlag
 from hybridlm.ops.norms import (
     FUSED_MAX_NUMEL,
     GATED,
@@ -65,9 +66,11 @@ def without_plans() -> AbstractContextManager[None]:
 
 
 def decode_plan(model: nn.Module, batch: Batch) -> DecodePlan | None:
-    """`model`'s plan when `batch` is one token of one sequence and a plan applies, else None."""
-    one_token = type(batch) is Batch and batch.input_ids.shape == (1, 1) and batch.query_lens[0] == 1
-    if not one_token or prompt_rows_on() or _OFF:
+    """`model`'s plan when `batch` is 1 to `FEW_TOKENS` tokens of one sequence and a plan applies,
+    else None."""
+    b, length = batch.input_ids.shape
+    few = type(batch) is Batch and b == 1 and 0 < length <= FEW_TOKENS and batch.query_lens[0] == length
+    if not few or prompt_rows_on() or _OFF:
         return None
     if model not in _PLANS:
         _PLANS[model] = DecodePlan.build(model)
@@ -83,7 +86,7 @@ def forget_plan(model: nn.Module) -> None:
 
 
 class DecodePlan:
-    """The decode step of one model: per layer a function (h [1, 1, d], batch, cache) -> h. It holds
+    """The decode step of one model: per layer a function (h [1, L, d], batch, cache) -> h. It holds
     the model's modules, not the model (whose entry in the plans' weak table would then never die)."""
 
     def __init__(self, layers: list[Op], norm: Op, watch: list):
@@ -108,7 +111,7 @@ class DecodePlan:
         return all(modules.get(name) is module for modules, name, module in self.watch)
 
     def __call__(self, model: nn.Module, batch: Batch, caches: list) -> torch.Tensor:
-        """`model.hidden_states` of a one-token batch: [1, 1, d] final-normed; advances the caches."""
+        """`model.hidden_states` of a few-token batch: [1, L, d] final-normed; advances the caches."""
         model.prepare(batch)
         h = model.embed(batch)
         for layer, cache in zip(self.layers, caches, strict=True):
@@ -146,7 +149,7 @@ def _layer_op(layer: nn.Module, watch: list) -> Op:
 
 
 def _linear_op(module: nn.Module, watch: list) -> Op:
-    """x [1, 1, in] bf16 -> what `module(x)` returns, by its decode kernel's call alone."""
+    """x [1, L, in] bf16 -> what `module(x)` returns, by its decode kernel's call alone."""
     if type(module) is FusedLinear:
         proj, sizes = _linear_op(_child(module, "proj", watch), watch), module.sizes
         return lambda x: torch.split_with_sizes(proj(x), sizes, dim=-1)
@@ -172,18 +175,17 @@ def _linear_op(module: nn.Module, watch: list) -> Op:
             q, s = buffers["qweight"].data_ptr(), buffers["scales"].data_ptr()
             threads = torch.get_num_threads()
             if bits == 8:
-                fn(x.data_ptr(), 1, q, s, b, y.data_ptr(), n, k, threads)
+                fn(x.data_ptr(), x.numel() // k, q, s, b, y.data_ptr(), n, k, threads)
             else:
-                fn(x.data_ptr(), 1, q, s, fp16, b, y.data_ptr(), n, k, group, threads)
+                fn(x.data_ptr(), x.numel() // k, q, s, fp16, b, y.data_ptr(), n, k, group, threads)
             return y
 
         return quantized
-    weight = params.get("weight")
-    fn = BF16_KERNEL.get()
+    weight, fn, most = params.get("weight"), BF16_KERNEL.get(), kernel_rows()
     if (
         type(module) is not Linear
         or fn is None
-        or kernel_rows() < 1
+        or most < 1
         or weight.dtype is not BF16
         or not weight.is_cpu
         or not weight.is_contiguous()
@@ -192,12 +194,15 @@ def _linear_op(module: nn.Module, watch: list) -> Op:
         return module
 
     def dense(x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // k
+        if rows > most:  # more rows than this CPU's kernel takes: F.linear, as `linear` does
+            return module(x)
         if not x.is_contiguous():
             x = x.contiguous()
         y = torch.empty((*x.shape[:-1], n), dtype=BF16)
         b = params.get("bias")
         b = None if b is None else b.data_ptr()
-        fn(x.data_ptr(), 1, params["weight"].data_ptr(), b, y.data_ptr(), n, k, torch.get_num_threads())
+        fn(x.data_ptr(), rows, params["weight"].data_ptr(), b, y.data_ptr(), n, k, torch.get_num_threads())
         return y
 
     return dense
@@ -206,17 +211,18 @@ def _linear_op(module: nn.Module, watch: list) -> Op:
 _NORM_MODES = {RMSNorm: RMS, OffsetRMSNorm: OFFSET, GatedRMSNorm: GATED}
 
 
-def _norm_op(module: nn.Module, width: int = 0) -> Op:
-    """x [..., D] (gated: and the gate) -> what `module` returns, by the fused norm's call alone;
-    `width` is the most elements an input has (0: one row of the weight's length)."""
+def _norm_op(module: nn.Module) -> Op:
+    """x [..., D] (gated: and the gate) -> what `module` returns, by the fused norm's call alone."""
     mode, fn = _NORM_MODES.get(type(module)), NORM_KERNEL.get()
     params = module._parameters
     weight = params.get("weight")
-    if mode is None or fn is None or weight.dtype is not BF16 or max(width, weight.numel()) > FUSED_MAX_NUMEL:
+    if mode is None or fn is None or weight.dtype is not BF16:
         return module
     eps = module.eps
 
     def norm(x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+        if x.numel() > FUSED_MAX_NUMEL:  # torch's ops, as `fused_rms_norm` leaves them
+            return module(x) if gate is None else module(x, gate)
         x = x.contiguous()
         if gate is not None:
             gate = gate.contiguous()
@@ -238,7 +244,7 @@ def _projections(module: nn.Module, fused: str, parts: tuple[str, ...], watch: l
 
 
 def _mlp_op(mlp: GatedMLP, watch: list) -> Op:
-    """`GatedMLP.forward` of one row."""
+    """`GatedMLP.forward` of a few rows."""
     gate_up = _projections(mlp, "gate_up", ("gate_proj", "up_proj"), watch)
     down, act = _linear_op(_child(mlp, "down_proj", watch), watch), mlp.act
 
@@ -250,11 +256,11 @@ def _mlp_op(mlp: GatedMLP, watch: list) -> Op:
 
 
 def _gdn_op(m: GatedDeltaNet, watch: list) -> Op:
-    """`GatedDeltaNet.forward` of one token: the conv and scan kernels called as `mix` calls them when
-    the cache asks for no split states (else the layer's own `scan_history`)."""
+    """`GatedDeltaNet.forward` of a few tokens: the conv and scan kernels called as `mix` calls them
+    when the cache asks for no split states (else the layer's own `scan_history`)."""
     project = _projections(m, "in_proj", ("in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b"), watch)
     out_proj = _linear_op(_child(m, "out_proj", watch), watch)
-    norm = _norm_op(_child(m, "norm", watch), m.value_dim)
+    norm = _norm_op(_child(m, "norm", watch))
     conv_params, params = _child(m, "conv1d", watch)._parameters, m._parameters
     conv_fn, scan_fn = CONV_KERNEL.get(), GDN_KERNEL.get()
     channels, width, hk, hv, dk, dv = m.conv_dim, m.kernel, m.k_heads, m.v_heads, m.k_dim, m.v_dim
@@ -275,55 +281,56 @@ def _gdn_op(m: GatedDeltaNet, watch: list) -> Op:
         if not (fused and not hist.splits and prior.dtype is BF16 and state.dtype is torch.float32
                 and state.is_contiguous()):
             return m.scan_history(batch, cache, hist, qkv, ab)
-        threads = torch.get_num_threads()
+        threads, length = torch.get_num_threads(), qkv.shape[1]
         qkv, prior = qkv.contiguous(), prior.contiguous()
-        x = torch.empty(1, 1, channels, dtype=BF16)
+        x = torch.empty(1, length, channels, dtype=BF16)
         tail = torch.empty(1, width - 1, channels, dtype=BF16)
         conv_fn(qkv.data_ptr(), prior.data_ptr(), conv_params["weight"].data_ptr(), None, x.data_ptr(),
-                tail.data_ptr(), None, None, 0, None, 1, 1, channels, width, 1, 1, threads)
-        o = torch.empty(1, 1, hv, dv, dtype=BF16)
+                tail.data_ptr(), None, None, 0, None, 1, length, channels, width, 1, 1, threads)
+        o = torch.empty(1, length, hv, dv, dtype=BF16)
         scan_fn(x.data_ptr(), ab.data_ptr(), params["A_log"].data_ptr(), params["dt_bias"].data_ptr(),
-                state.data_ptr(), o.data_ptr(), None, None, 0, None, 1, 1, hk, hv, dk, dv, dk**-0.5, 1,
+                state.data_ptr(), o.data_ptr(), None, None, 0, None, 1, length, hk, hv, dk, dv, dk**-0.5, 1,
                 a_bf16, threads)
         record = hist.record
         cache.put(batch, tail, state, [], inputs=qkv if record else None, gates=ab if record else None)
         return o
 
     def mix(x: torch.Tensor, batch: Batch, cache) -> torch.Tensor:
+        length = x.shape[1]
         qkv, z, a, b = project(x)
         o = scan(batch, cache, qkv, torch.cat([a, b], dim=-1))
-        o = norm(o, z.view(1, 1, hv, dv))
-        return out_proj(o.reshape(1, 1, hv * dv))
+        o = norm(o, z.view(1, length, hv, dv))
+        return out_proj(o.reshape(1, length, hv * dv))
 
     return mix
 
 
 def _attention_op(m: Attention, watch: list) -> Op:
-    """`Attention.forward` of one token."""
+    """`Attention.forward` of a few tokens."""
     project = _projections(m, "qkv_proj", ("q_proj", "k_proj", "v_proj"), watch)
     o_proj = _linear_op(_child(m, "o_proj", watch), watch)
     heads, kv_heads, head_dim, gated, rotary = m.heads, m.kv_heads, m.head_dim, m.gated, m.rotary
     q_norm = k_norm = None
     if m.q_norm is not None:
-        q_norm = _norm_op(_child(m, "q_norm", watch), heads * head_dim)
-        k_norm = _norm_op(_child(m, "k_norm", watch), kv_heads * head_dim)
+        q_norm, k_norm = _norm_op(_child(m, "q_norm", watch)), _norm_op(_child(m, "k_norm", watch))
     attend = m.attend
 
     def mix(x: torch.Tensor, batch: Batch, cache) -> torch.Tensor:
+        length = x.shape[1]
         q, k, v = project(x)
         gate = None
         if gated:
-            q, gate = q.view(1, 1, heads, 2 * head_dim).chunk(2, dim=-1)
-            gate = gate.reshape(1, 1, -1)
+            q, gate = q.view(1, length, heads, 2 * head_dim).chunk(2, dim=-1)
+            gate = gate.reshape(1, length, -1)
         else:
-            q = q.view(1, 1, heads, head_dim)
-        k, v = k.view(1, 1, kv_heads, head_dim), v.view(1, 1, kv_heads, head_dim)
+            q = q.view(1, length, heads, head_dim)
+        k, v = k.view(1, length, kv_heads, head_dim), v.view(1, length, kv_heads, head_dim)
         if q_norm is not None:
             q, k = q_norm(q), k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         cos, sin = rope_tables(batch, rotary, q.dtype)
         o = attend(batch, cache, apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v)
-        o = o.transpose(1, 2).reshape(1, 1, -1)
+        o = o.transpose(1, 2).reshape(1, length, -1)
         if gate is not None:
             o = o * elementwise_rows(torch.sigmoid, gate)
         return o_proj(o)
