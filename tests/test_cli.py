@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from hybridlm.cli import build_parser
@@ -85,3 +86,27 @@ def test_a_cache_dir_naming_a_file_is_a_warning_not_a_traceback(tmp_path):
     err = proc.communicate("/exit\n", timeout=180)[1]
     assert proc.returncode == 0 and "Traceback" not in err, err
     assert "--cache-dir" in err and "no disk tier" in err, err
+
+
+class _Loaded(Exception):
+    """Raised by the stand-in loader once it has seen what a command asks for."""
+
+
+@pytest.mark.parametrize("command", ["forward", "speculative", "restore", "multiturn", "concurrency"])
+def test_bench_commands_load_the_model_as_the_flags_say(command, monkeypatch):
+    """--dtype and --quantize reach the model loader of every benchmark that loads one model (bench
+    speculative and restore once ignored --quantize and measured bf16 weights; `bench quality` reads
+    --quantize as the schemes to compare against its unquantized reference)."""
+    import hybridlm.models
+
+    seen = {}
+
+    def load_model(path, dtype=None, device=None, quantize=None):
+        seen.update(dtype=dtype, quantize=quantize)
+        raise _Loaded
+
+    monkeypatch.setattr(hybridlm.models, "load_model", load_model)
+    args = build_parser().parse_args(["bench", command, "--quantize", "int8", "--dtype", "float32"])
+    with pytest.raises(_Loaded):
+        args.func(args)
+    assert seen == {"dtype": torch.float32, "quantize": "int8"}

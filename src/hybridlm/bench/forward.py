@@ -156,6 +156,11 @@ def time_decode(model, steps: int, context: int = 128) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def bench_dtype(args) -> torch.dtype:
+    """A benchmark's --dtype (bf16 unless it says float32)."""
+    return {"float32": torch.float32, "fp32": torch.float32}.get(args.dtype or "", torch.bfloat16)
+
+
 def load_bench_model(args):
     """(model, path, dtype) for a benchmark's --preset / --model / --dtype / --device / --threads
     (the demo model when neither names one)."""
@@ -168,7 +173,7 @@ def load_bench_model(args):
         from hybridlm.demo import demo_model_dir
 
         path = demo_model_dir()
-    dtype = {"float32": torch.float32, "fp32": torch.float32}.get(args.dtype or "", torch.bfloat16)
+    dtype = bench_dtype(args)
     print(f"loading {path} ...", flush=True)
     with serial_setup():
         return load_model(path, dtype=dtype, device=args.device, quantize=args.quantize), path, dtype

@@ -114,21 +114,21 @@ def restore_ms(model, snaps, target: int, repeats: int = 3) -> dict[str, float]:
 
 
 def main(args) -> int:
-    from hybridlm.bench.forward import preset_dir
+    from hybridlm.bench.forward import bench_dtype, preset_dir
     from hybridlm.models import load_model
 
     if args.threads:
         torch.set_num_threads(args.threads)
     report = {"tokens": args.tokens, "cadence": args.cadence, "models": {}}
     rows = []
+    load = lambda path: load_model(path, dtype=bench_dtype(args), device=args.device, quantize=args.quantize)
     for preset in args.preset or []:
-        path = preset_dir(preset)
-        rows += _one_model(load_model(path, device=args.device), preset, args, report)
+        rows += _one_model(load(preset_dir(preset)), preset, args, report)
     if args.model or not args.preset:
         from hybridlm.demo import demo_model_dir
 
         path = args.model or demo_model_dir()
-        rows += _one_model(load_model(path, device=args.device), Path(path).name, args, report)
+        rows += _one_model(load(path), Path(path).name, args, report)
     print(
         f"\nprefix of {args.tokens} tokens, restore points every {args.cadence}; fresh caches (nothing live)"
     )

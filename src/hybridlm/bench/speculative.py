@@ -98,21 +98,10 @@ def summarize(speeds: list[float], plain: float, counts, controller, identical: 
 
 
 def main(args) -> int:
-    from hybridlm.bench.forward import preset_dir
-    from hybridlm.models import load_model
+    from hybridlm.bench.forward import load_bench_model
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     torch.set_flush_denormal(True)
-    path = preset_dir(args.preset) if args.preset else args.model
-    if path is None:
-        from hybridlm.demo import demo_model_dir
-
-        path = demo_model_dir()
-    dtype = {"float32": torch.float32, "fp32": torch.float32}.get(args.dtype or "", torch.bfloat16)
-    print(f"loading {path} ...", flush=True)
-    with serial_setup():
-        model = load_model(path, dtype=dtype, device=args.device)
+    model, path, dtype = load_bench_model(args)
     vocab = model.vocab_size
     load_before = os.getloadavg()
     print("building the prompt ...", flush=True)
@@ -152,6 +141,7 @@ def main(args) -> int:
     report = {
         "model": str(path),
         "draft_model": args.draft_model,
+        "quantize": args.quantize,
         "draft_quantize": args.draft_quantize,
         "mtp": args.mtp,
         "dtype": str(dtype).removeprefix("torch."),
