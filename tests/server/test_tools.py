@@ -11,7 +11,7 @@ import jsonschema
 import pytest
 import torch
 
-from hybridlm.engine import Event
+from hybridlm.engine import Completion, Event, Usage
 from hybridlm.engine.grammar import Grammar, GrammarCompiler
 from hybridlm.models.tokenizer import Tokenizer
 from hybridlm.server.chat import marker_ids, plan_chat, read_answer
@@ -236,6 +236,17 @@ def test_openai_deltas_carry_reasoning_content_and_tool_calls(tokenizer):
         calls = [tc for d in deltas for tc in d.get("tool_calls", [])]
         assert [(c["index"], c["function"]["name"]) for c in calls] == [(0, "get_weather")]
         assert choices[-1]["finish_reason"] == "tool_calls"
+
+
+def test_an_empty_reply_is_empty_content_and_null_only_beside_calls(tokenizer):
+    """A chat answer with no text is `"content": ""` (as OpenAI and vLLM answer); `null` only when
+    tool calls carry the answer."""
+    plan = plan_chat(tokenizer, [{"role": "user", "content": "hi"}], TOOLS)
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
+    for text, content in [("", ""), (call, None), ("Ok.", "Ok.")]:
+        result = Completion(text=text, finish_reason="stop", usage=Usage(3, 1))
+        body = Responder("chat", "demo", tokenizer, plan).response([result], False)
+        assert body["choices"][0]["message"]["content"] == content, text
 
 
 def test_tool_choice_none_leaves_calls_unparsed(tokenizer):

@@ -368,7 +368,9 @@ class Responder:
         reason = result.finish_reason
         if self.kind == "chat" and self.plan is not None:
             answer = read_answer(self.plan, result.text)
-            message: dict[str, Any] = {"role": "assistant", "content": answer.content}
+            # null only beside tool calls (as OpenAI and vLLM answer): an empty reply is ""
+            content = answer.content if answer.content or answer.calls else ""
+            message: dict[str, Any] = {"role": "assistant", "content": content}
             if self.plan.reasoning is not None:
                 message["reasoning_content"] = answer.reasoning
             if answer.calls:
