@@ -288,6 +288,13 @@ def test_anthropic_errors_have_anthropics_shape(claude, server):
             model=MODEL, max_tokens=8, messages=unique("x"), tools=bad_tool, tool_choice={"type": "any"}
         )
     assert e.value.body["error"]["message"].startswith("tools")
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}
+    result = {"type": "tool_result", "tool_use_id": "t1", "content": [{"type": "text", "text": "ok"}, image]}
+    use = {"type": "tool_use", "id": "t1", "name": "f", "input": {}}
+    turns = [*unique("x"), {"role": "assistant", "content": [use]}, {"role": "user", "content": [result]}]
+    with pytest.raises(anthropic.BadRequestError) as e:  # a text model cannot read the image
+        claude.messages.create(model=MODEL, max_tokens=8, messages=turns)
+    assert "tool_result blocks of type image" in e.value.body["error"]["message"]
 
 
 # -- ollama ----------------------------------------------------------------------------------------

@@ -93,7 +93,14 @@ def openai_messages(body: MessagesRequest) -> list[dict[str, Any]]:
                 function = {"name": block["name"], "arguments": json.dumps(args, ensure_ascii=False)}
                 calls.append({"id": str(block.get("id", "")), "type": "function", "function": function})
             elif kind == "tool_result" and role == "user":
-                result = tool_result_text(block.get("content", ""))
+                inner = block.get("content", "")
+                if isinstance(inner, list):
+                    kinds = {part.get("type") if isinstance(part, dict) else None for part in inner}
+                    if kinds - {"text"}:  # images, documents: this text model cannot read them
+                        other = ", ".join(sorted(map(str, kinds - {"text"})))
+                        message = f"{where}.content[{j}]: tool_result blocks of type {other} unsupported"
+                        raise InvalidParameter("messages", message)
+                result = tool_result_text(inner)
                 out.append(
                     {"role": "tool", "tool_call_id": str(block.get("tool_use_id", "")), "content": result}
                 )
