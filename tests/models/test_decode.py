@@ -152,20 +152,25 @@ def test_the_plan_runs_no_layer_module(checkpoints, name, monkeypatch):
     assert calls == []
 
 
+@torch.no_grad()  # as inside `CausalLM.forward`
 def test_prompt_rows_and_longer_batches_take_the_modules(checkpoints):
     """A prompt suffix (under `prompt_rows`: prefill's integer path), batches of more than FEW_TOKENS
-    tokens or of several sequences, and steps inside `without_plans` get no plan."""
+    tokens or of several sequences, steps with autograd on and steps inside `without_plans` get no
+    plan."""
     model = load_model(checkpoints("qwen3_5_text").path, dtype=torch.bfloat16, device="cpu", quantize="int8")
     assert decode.decode_plan(model, Batch.single([5], offset=2)) is not None
     with prompt_rows():
         assert decode.decode_plan(model, Batch.single([5], offset=2)) is None
     with decode.without_plans():
         assert decode.decode_plan(model, Batch.single([5], offset=2)) is None
+    with torch.enable_grad():
+        assert decode.decode_plan(model, Batch.single([5], offset=2)) is None
     assert decode.decode_plan(model, Batch.single([5] * FEW_TOKENS)) is not None
     assert decode.decode_plan(model, Batch.single([5] * (FEW_TOKENS + 1))) is None
     assert decode.decode_plan(model, Batch.ragged([[5], [6]])) is None
 
 
+@torch.no_grad()  # as inside `CausalLM.forward`
 def test_a_plan_follows_modules_swapped_after_it_was_built(checkpoints):
     """Quantizing a model in place after a planned step builds a new plan: the next steps read the new
     layers, equal to their module path."""
@@ -177,6 +182,7 @@ def test_a_plan_follows_modules_swapped_after_it_was_built(checkpoints):
     check(model)
 
 
+@torch.no_grad()  # as inside `CausalLM.forward`
 def test_no_plan_for_float32_models_or_when_turned_off(checkpoints, monkeypatch):
     """float32 weights take the modules (the plan calls the bf16 kernels); so does every model with
     HYBRIDLM_DECODE_PLAN=0. Converting a model drops its plan."""

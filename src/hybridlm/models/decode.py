@@ -12,8 +12,8 @@ bits as the module path (tests/models/test_decode.py). Caches advance through th
 What the plan does not know runs as its module: a layer that is not a `DecoderLayer`, a mixer or MLP
 other than `GatedDeltaNet`, `Attention` and `GatedMLP`, a linear or norm without its kernel, a scan
 step that must report split states. `CausalLM.hidden_states` takes a plan for a B = 1 batch of 1 to
-`FEW_TOKENS` tokens on a bf16 CPU model outside `prompt_rows` (whose rows take prefill's integer path) and
-`without_plans`; ``HYBRIDLM_DECODE_PLAN=0`` turns plans off.
+`FEW_TOKENS` tokens on a bf16 CPU model, with autograd off, outside `prompt_rows` (whose rows take
+prefill's integer path) and `without_plans`; ``HYBRIDLM_DECODE_PLAN=0`` turns plans off.
 
 A plan holds the modules it was built from and checks each step that they are still in place (a
 module swapped by `quantize_` or fusion builds a new plan); it reads parameters from their modules'
@@ -70,7 +70,7 @@ def decode_plan(model: nn.Module, batch: Batch) -> DecodePlan | None:
     else None."""
     b, length = batch.input_ids.shape
     few = type(batch) is Batch and b == 1 and 0 < length <= FEW_TOKENS and batch.query_lens[0] == length
-    if not few or prompt_rows_on() or _OFF:
+    if not few or prompt_rows_on() or _OFF or torch.is_grad_enabled():  # no kernel is differentiable
         return None
     if model not in _PLANS:
         _PLANS[model] = DecodePlan.build(model)
