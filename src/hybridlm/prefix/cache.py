@@ -30,6 +30,7 @@ checkpoint, sliding rows covering the window) — then restore each node to its 
 
 from __future__ import annotations
 
+import heapq
 import logging
 import math
 import threading
@@ -906,18 +907,46 @@ class PrefixCache:
 
     def _delete(self, total: int, eligible, room: int) -> int:
         """Delete RAM nodes, least valuable first, until `total` fits `room`: leaves first, then
-        nodes with only disk nodes below them (those go too: the disk could not take them)."""
+        nodes with only disk nodes below them (those go too: the disk could not take them).
+
+        One walk of the trie, then a heap of the candidates (RAM nodes with no RAM node below): the
+        candidates' subtrees are disjoint, so a deletion changes no other candidate's key and can
+        only make its ancestors candidates. Ties go to the node met first in `Trie.nodes` order, as
+        a fresh walk per deletion would pick (walking the trie for every victim cost a server at its
+        budget a fifth of its engine time)."""
+        if total <= room:
+            return total
         now = time.monotonic()
-        while total > room:
-            ram_below: dict[int, bool] = {}
-            for n in reversed(list(self.trie.nodes())):  # children before parents
-                ram_below[n.id] = any(not c.on_disk or ram_below[c.id] for c in n.children.values())
-            victims = [n for n in self.trie.nodes() if eligible(n) and not n.on_disk and not ram_below[n.id]]
-            if not victims:
-                break
-            victim = min(victims, key=lambda n: (bool(n.children), self._value(n, now)))
+        nodes = list(self.trie.nodes())
+        order = {n.id: i for i, n in enumerate(nodes)}
+        ram_below: dict[int, bool] = {}
+        for n in reversed(nodes):  # children before parents
+            ram_below[n.id] = any(not c.on_disk or ram_below[c.id] for c in n.children.values())
+
+        def candidate(n: Node) -> tuple | None:
+            if not eligible(n) or n.on_disk or ram_below[n.id]:
+                return None
+            return bool(n.children), self._value(n, now), order[n.id], n
+
+        heap = [entry for n in nodes if (entry := candidate(n)) is not None]
+        heapq.heapify(heap)
+        while total > room and heap:
+            victim = heapq.heappop(heap)[-1]
             total -= budgeted(victim)
             self.stats.evicted_nodes += self._remove_subtree(victim)
+            node = victim.parent
+            # Up from the victim while nodes lose their last RAM node below (a RAM node stays RAM
+            # below its own parent, so the walk stops at the first one).
+            while node is not None and node is not self.trie.root:
+                below = any(not c.on_disk or ram_below[c.id] for c in node.children.values())
+                if below == ram_below[node.id]:
+                    break
+                ram_below[node.id] = below
+                if (entry := candidate(node)) is not None:
+                    heapq.heappush(heap, entry)
+                if not node.on_disk:
+                    break
+                node = node.parent
         return total
 
     def _value(self, node: Node, now: float, nbytes: int | None = None) -> float:
