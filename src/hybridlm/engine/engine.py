@@ -35,7 +35,7 @@ from hybridlm.batch import Batch
 from hybridlm.cache.base import LayerCache
 from hybridlm.cache.fork import fork_caches
 from hybridlm.engine.grammar import GrammarCompiler, Matcher
-from hybridlm.engine.memory import CacheCost, available_memory
+from hybridlm.engine.memory import CacheCost, HeapTrimmer, available_memory
 from hybridlm.engine.params import EngineClosed, InvalidParameter, PromptTooLong, QueueFull, SamplingParams
 from hybridlm.engine.request import (
     CANCELLED,
@@ -201,6 +201,7 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.max_queue = max_queue
         self.prefix = prefix
+        self._trim = HeapTrimmer()  # evicted snapshots' heap pages back to the system
         if prefix is not None:
             prefix.reserve(max_running)
         if speculative is not None and not isinstance(speculative, Speculator):
@@ -367,6 +368,8 @@ class Engine:
                 with self.stats.lock:
                     self.stats.step_seconds.observe(time.perf_counter() - t0)
                 self._emit(outputs)
+                if self.prefix is not None:
+                    self._trim(self.prefix.released_bytes)
                 self._progress = time.monotonic()
         except Exception as e:  # a bug outside any one request: fail every request rather than hang
             log.exception("event=engine_failed")

@@ -1,8 +1,14 @@
-"""What a running sequence's caches cost, for admission: bytes of recurrent state and KV rows."""
+"""What a running sequence's caches cost, for admission: bytes of recurrent state and KV rows; and
+handing freed heap memory back to the system."""
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import os
+import sys
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -58,3 +64,45 @@ class CacheCost:
         before the prompt rounded down to the key block are shared (`KVCache.share`, counted once, by
         the sequence it forked from), the rest are its own."""
         return self.bytes(tokens - prompt // KEY_BLOCK * KEY_BLOCK)
+
+
+log = logging.getLogger(__name__)
+
+# Released prefix-cache bytes between two trims.
+TRIM_EVERY = 256 << 20
+
+
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's `malloc_trim`, or None (another C library, another system)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
+    return fn
+
+
+class HeapTrimmer:
+    """Hands the heap's free pages back to the system (glibc `malloc_trim`) after every `every`
+    bytes the prefix cache released. Snapshots are many small tensors (a demo-model server at its
+    budget holds ~150 k); the holes their evictions leave stay resident in glibc's heap: at a 4 GiB
+    budget (4096 MiB of live tensors, 0.37 GB of process beside them) a server held 5.8–5.9 GB, and
+    4.97–5.04 GB after a trim. A trim of a ~3.5 GB heap takes 18–20 ms; the engine runs it between
+    steps."""
+
+    def __init__(self, every: int = TRIM_EVERY):
+        self.every, self.mark, self._trim = every, 0, _malloc_trim()
+
+    def __call__(self, released: int) -> bool:
+        """Trim if `released` (a count that only grows) passed the last trim's by `every`; whether
+        it did."""
+        if self._trim is None or released - self.mark < self.every:
+            return False
+        self.mark = released
+        t0 = time.perf_counter()
+        self._trim(0)
+        spent = (time.perf_counter() - t0) * 1e3
+        log.debug("event=heap_trimmed released_mib=%d ms=%.1f", released >> 20, spent)
+        return True

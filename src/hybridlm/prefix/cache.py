@@ -256,6 +256,7 @@ class PrefixCache:
         # whole trie (thousands of nodes after hours of traffic).
         self._counted: dict[int, int] = {}
         self._trie_bytes = 0
+        self._released = 0  # bytes nodes stopped counting, ever (`released_bytes`)
         self._compacted: set[int] = set()  # nodes whose snapshots compacting cannot shrink any more
         self.ram_budget = ram_budget
         self.plan = plan or CapturePlan()
@@ -347,9 +348,18 @@ class PrefixCache:
         for node in nodes:
             self._compacted.discard(node.id)
             now = budgeted(node) if _attached(node) else 0
-            self._trie_bytes += now - self._counted.pop(node.id, 0)
+            before = self._counted.pop(node.id, 0)
+            self._trie_bytes += now - before
+            self._released += max(0, before - now)
             if now:
                 self._counted[node.id] = now
+
+    @property
+    def released_bytes(self) -> int:
+        """Bytes the trie (and its draft companion's) stopped counting since it was made: snapshots
+        freed, compacted or moved to disk, as a count that only grows (`engine.memory.HeapTrimmer`
+        reads it)."""
+        return self._released + (0 if self.draft is None else self.draft.released_bytes)
 
     def _counted_bytes(self, node: Node) -> int:
         """What `node` counts against the RAM budget now (`budgeted(node)`, kept by `_recount`)."""
