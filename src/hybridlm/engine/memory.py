@@ -88,8 +88,8 @@ class HeapTrimmer:
     """Hands the heap's free pages back to the system (glibc `malloc_trim`) after every `every`
     bytes the prefix cache released. Snapshots are many small tensors (a demo-model server at its
     budget holds ~150 k); the holes their evictions leave stay resident in glibc's heap: at a 4 GiB
-    budget (4096 MiB of live tensors, 0.37 GB of process beside them) a server held 5.8–5.9 GB, and
-    4.97–5.04 GB after a trim. A trim of a ~3.5 GB heap takes 18–20 ms; the engine runs it between
+    budget (4096 MiB of live tensors, 370 MiB of process beside them) a server held 5824–5939 MiB,
+    and 4970–5040 MiB after a trim. A trim of a ~3.5 GB heap takes 18–20 ms; the engine runs it between
     steps."""
 
     def __init__(self, every: int = TRIM_EVERY):
