@@ -206,3 +206,23 @@ def test_a_plan_does_not_keep_its_model_alive(checkpoints):
     del model, caches
     gc.collect()
     assert alive() is None
+
+
+def test_modules_the_plan_does_not_know_run_as_themselves(checkpoints):
+    """A projection of a kind the plan does not know (here a wrapper without `in_features`) inside a
+    layer it knows is called as its module: the plan builds, and its steps equal the module path."""
+    model = load_model(checkpoints("dense_llama").path, dtype=torch.bfloat16, device="cpu")
+    mlp = model.model.layers[0].mlp
+    mlp.down_proj = Halved(mlp.down_proj)
+    with torch.no_grad():
+        assert decode.decode_plan(model, Batch.single([5], offset=2)) is not None
+    check(model)
+
+
+class Halved(torch.nn.Module):
+    def __init__(self, inner: torch.nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x) * 0.5

@@ -153,6 +153,8 @@ def _linear_op(module: nn.Module, watch: list) -> Op:
     if type(module) is FusedLinear:
         proj, sizes = _linear_op(_child(module, "proj", watch), watch), module.sizes
         return lambda x: torch.split_with_sizes(proj(x), sizes, dim=-1)
+    if type(module) not in (QuantLinear, Linear):
+        return module
     params, n, k = module._parameters, module.out_features, module.in_features
     bias = params.get("bias")
     if bias is not None and bias.dtype is not BF16:
@@ -183,8 +185,7 @@ def _linear_op(module: nn.Module, watch: list) -> Op:
         return quantized
     weight, fn, most = params.get("weight"), BF16_KERNEL.get(), kernel_rows()
     if (
-        type(module) is not Linear
-        or fn is None
+        fn is None
         or most < 1
         or weight.dtype is not BF16
         or not weight.is_cpu
