@@ -4,16 +4,20 @@ A decode step of a model built from the shared layers is ~300 module calls, each
 and choosing a path before it reaches its kernel. At a few bf16 rows on the CPU (a decode step, a
 speculative verify pass: up to `FEW_TOKENS` tokens of one sequence) every call reaches the same
 kernel step after step, and the choosing costs ≈ 5 ms a step on the Qwen3.5-0.8B preset (a fifth of
-an int4 step). A plan makes the choices once per model and runs a step as the kernels'
-calls on the inputs the layers would hand them: the same kernels on the same inputs, so the same
-bits as the module path (tests/models/test_decode.py). Caches advance through their own methods
-(`get` / `put` / `update`), so captures, recording and copy-on-write behave as in any forward.
+an int4 step). A plan makes the choices once per model and calls the linear and norm kernels
+directly, on the inputs the layers would hand them (and a Gated DeltaNet's conv and scan kernels);
+between its projections a mixer runs its own code (`GatedDeltaNet.scan_projected`,
+`Attention.attend_projected`) with the plan's norms. The same
+kernels on the same inputs: the same bits as the module path (tests/models/test_decode.py). Caches
+advance through the layers' own code, so captures, recording and copy-on-write behave as in any
+forward.
 
 What the plan does not know runs as its module: a layer that is not a `DecoderLayer`, a mixer or MLP
-other than `GatedDeltaNet`, `Attention` and `GatedMLP`, a linear or norm without its kernel, a scan
-step that must report split states. `CausalLM.hidden_states` takes a plan for a B = 1 batch of 1 to
-`FEW_TOKENS` tokens on a bf16 CPU model, with autograd off, outside `prompt_rows` (whose rows take
-prefill's integer path) and `without_plans`; ``HYBRIDLM_DECODE_PLAN=0`` turns plans off.
+other than `GatedDeltaNet`, `Attention` and `GatedMLP`, a linear or norm of another kind or without
+its kernel, a scan step that must report split states. `CausalLM.hidden_states` takes a plan for a
+B = 1 batch of 1 to `FEW_TOKENS` tokens on a bf16 CPU model, with autograd off, outside
+`prompt_rows` (whose rows take prefill's integer path) and `without_plans`;
+``HYBRIDLM_DECODE_PLAN=0`` turns plans off.
 
 A plan holds the modules it was built from and checks each step that they are still in place (a
 module swapped by `quantize_` or fusion builds a new plan); it reads parameters from their modules'
@@ -31,7 +35,7 @@ import torch
 from torch import nn
 
 from hybridlm.batch import Batch
-from hybridlm.models.layers import Attention, DecoderLayer, GatedDeltaNet, GatedMLP, rope_tables
+from hybridlm.models.layers import Attention, DecoderLayer, GatedDeltaNet, GatedMLP
 from hybridlm.ops.conv import CONV_KERNEL
 from hybridlm.ops.elementwise import elementwise_rows
 from hybridlm.ops.gated_delta import GDN_KERNEL
@@ -50,7 +54,6 @@ from hybridlm.ops.norms import (
 )
 from hybridlm.ops.quant import INT4_KERNEL, INT8_KERNEL, QuantLinear
 from hybridlm.ops.quant_gemm import prompt_rows_on
-from hybridlm.ops.rope import apply_rotary
 
 BF16 = torch.bfloat16
 Op = Callable[..., torch.Tensor]
@@ -257,8 +260,10 @@ def _mlp_op(mlp: GatedMLP, watch: list) -> Op:
 
 
 def _gdn_op(m: GatedDeltaNet, watch: list) -> Op:
-    """`GatedDeltaNet.forward` of a few tokens: the conv and scan kernels called as `mix` calls them
-    when the cache asks for no split states (else the layer's own `scan_history`)."""
+    """`GatedDeltaNet.forward` of a few tokens: the layer's `scan_projected` between the plan's
+    projections and norm, its conv and scan kernels called directly when the cache asks for no split
+    states (else the layer's own `scan_history`). The wrappers' checks cost ≈ 0.6 ms of a
+    Qwen3.5-0.8B step (18 layers)."""
     project = _projections(m, "in_proj", ("in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b"), watch)
     out_proj = _linear_op(_child(m, "out_proj", watch), watch)
     norm = _norm_op(_child(m, "norm", watch))
@@ -296,44 +301,15 @@ def _gdn_op(m: GatedDeltaNet, watch: list) -> Op:
         cache.put(batch, tail, state, [], inputs=qkv if record else None, gates=ab if record else None)
         return o
 
-    def mix(x: torch.Tensor, batch: Batch, cache) -> torch.Tensor:
-        length = x.shape[1]
-        qkv, z, a, b = project(x)
-        o = scan(batch, cache, qkv, torch.cat([a, b], dim=-1))
-        o = norm(o, z.view(1, length, hv, dv))
-        return out_proj(o.reshape(1, length, hv * dv))
-
-    return mix
+    return lambda x, batch, cache: out_proj(m.scan_projected(*project(x), batch, cache, norm, scan))
 
 
 def _attention_op(m: Attention, watch: list) -> Op:
-    """`Attention.forward` of a few tokens."""
+    """`Attention.forward` of a few tokens: the plan's projections and q / k norms around the layer's
+    own rotary and attention (`attend_projected`)."""
     project = _projections(m, "qkv_proj", ("q_proj", "k_proj", "v_proj"), watch)
     o_proj = _linear_op(_child(m, "o_proj", watch), watch)
-    heads, kv_heads, head_dim, gated, rotary = m.heads, m.kv_heads, m.head_dim, m.gated, m.rotary
     q_norm = k_norm = None
     if m.q_norm is not None:
         q_norm, k_norm = _norm_op(_child(m, "q_norm", watch)), _norm_op(_child(m, "k_norm", watch))
-    attend = m.attend
-
-    def mix(x: torch.Tensor, batch: Batch, cache) -> torch.Tensor:
-        length = x.shape[1]
-        q, k, v = project(x)
-        gate = None
-        if gated:
-            q, gate = q.view(1, length, heads, 2 * head_dim).chunk(2, dim=-1)
-            gate = gate.reshape(1, length, -1)
-        else:
-            q = q.view(1, length, heads, head_dim)
-        k, v = k.view(1, length, kv_heads, head_dim), v.view(1, length, kv_heads, head_dim)
-        if q_norm is not None:
-            q, k = q_norm(q), k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        cos, sin = rope_tables(batch, rotary, q.dtype)
-        o = attend(batch, cache, apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v)
-        o = o.transpose(1, 2).reshape(1, length, -1)
-        if gate is not None:
-            o = o * elementwise_rows(torch.sigmoid, gate)
-        return o_proj(o)
-
-    return mix
+    return lambda x, batch, cache: o_proj(m.attend_projected(*project(x), batch, cache, q_norm, k_norm))

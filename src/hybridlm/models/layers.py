@@ -120,11 +120,17 @@ class Attention(nn.Module):
         return KVCache(batch_size) if self.window is None else SlidingKVCache(self.window, batch_size)
 
     def forward(self, x: torch.Tensor, batch: Batch, cache: KVCache) -> torch.Tensor:
-        b, length, _ = x.shape
         if self.qkv_proj is not None:
             q, k, v = self.qkv_proj(x)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        return self.o_proj(self.attend_projected(q, k, v, batch, cache, self.q_norm, self.k_norm))
+
+    def attend_projected(self, q, k, v, batch: Batch, cache: KVCache, q_norm, k_norm) -> torch.Tensor:
+        """The layer between its projections: q [B, L, heads·head_dim (·2 when gated)], k / v [B, L,
+        kv_heads·head_dim] -> [B, L, heads·head_dim], ready for o_proj; the cache takes k / v.
+        `q_norm` / `k_norm` are the norms to apply (the layer's, or what a decode plan runs for them)."""
+        b, length, _ = q.shape
         gate = None
         if self.gated:
             q, gate = q.view(b, length, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
@@ -133,8 +139,8 @@ class Attention(nn.Module):
             q = q.view(b, length, self.heads, self.head_dim)
         k = k.view(b, length, self.kv_heads, self.head_dim)
         v = v.view(b, length, self.kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+        if q_norm is not None:
+            q, k = q_norm(q), k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         cos, sin = rope_tables(batch, self.rotary, q.dtype)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
@@ -143,7 +149,7 @@ class Attention(nn.Module):
         o = o.transpose(1, 2).reshape(b, length, -1)
         if gate is not None:
             o = o * elementwise_rows(torch.sigmoid, gate)
-        return self.o_proj(o)
+        return o
 
     def attend(self, batch: Batch, cache: KVCache, q, k, v) -> torch.Tensor:
         """q [B, Hq, L, D], k/v [B, Hkv, L, D] of this forward -> [B, Hq, L, D], after `cache` took k/v."""
@@ -270,7 +276,6 @@ class GatedDeltaNet(nn.Module):
         return tail, state
 
     def forward(self, x: torch.Tensor, batch: Batch, cache: RecurrentCache) -> torch.Tensor:
-        b, length, _ = x.shape
         mask = batch.token_mask()
         if mask is not None:
             x = x * mask[..., None].to(x.dtype)
@@ -278,12 +283,20 @@ class GatedDeltaNet(nn.Module):
             qkv, z, a, b_ = self.in_proj(x)
         else:
             qkv, z, a, b_ = self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_a(x), self.in_proj_b(x)
-        ab = torch.cat([a, b_], dim=-1)
+        return self.out_proj(self.scan_projected(qkv, z, a, b_, batch, cache, self.norm))
+
+    def scan_projected(self, qkv, z, a, b, batch: Batch, cache: RecurrentCache, norm, scan=None):
+        """The layer between its projections: qkv [B, L, conv_dim], z [B, L, value_dim], a / b
+        [B, L, Hv] -> the gated norm's output [B, L, value_dim], ready for out_proj; the cache takes
+        the new state. `norm` is the gated norm to apply and `scan` what runs `self.scan` of a plain
+        batch (the layer's, or what a decode plan runs for them)."""
+        batch_size, length, _ = qkv.shape
+        ab = torch.cat([a, b], dim=-1)
         packed = partial(self.scan_packed, batch, cache)
-        o = per_segment(batch, cache, self.scan, qkv, ab, packed=packed)
-        z = z.view(b, length, self.v_heads, self.v_dim)
-        o = self.norm(o.to(x.dtype), z)
-        return self.out_proj(o.reshape(b, length, self.value_dim))
+        o = per_segment(batch, cache, scan or self.scan, qkv, ab, packed=packed)
+        z = z.view(batch_size, length, self.v_heads, self.v_dim)
+        o = norm(o.to(qkv.dtype), z)
+        return o.reshape(batch_size, length, self.value_dim)
 
     def scan(self, batch: Batch, cache: RecurrentCache, qkv, ab) -> torch.Tensor:
         """Conv + scan of this forward's scan inputs from `cache`'s state -> o [B, L, Hv, Dv]; the
