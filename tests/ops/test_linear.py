@@ -224,9 +224,9 @@ def test_lazy_build_is_thread_safe(monkeypatch):
     kernel = fresh_kernel(monkeypatch)
     build = kernel.build
 
-    def counting_build():
-        builds.append(1)
-        return build()
+    def counting_build(level):
+        builds.append(level)
+        return build(level)
 
     monkeypatch.setattr(kernel, "build", counting_build)
     w = torch.randn(64, 128).to(torch.bfloat16)

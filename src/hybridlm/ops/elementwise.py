@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from hybridlm.ops.linear import rowwise_applies
 from hybridlm.ops.native import FEW_TOKENS
 
-# Two AVX-512 vectors of bf16 / fp16 (two of float32 are 32: a divisor).
+# Two AVX-512 vectors of bf16 / fp16; every narrower ISA's two-vector span (AVX2: 32 bf16, 16 float32;
+# NEON: 16, 8) divides it, so the layout puts rows on vector boundaries on every CPU.
 VECTOR_SPAN = 64
 # at::internal::GRAIN_SIZE: a call over more elements is cut into per-thread chunks.
 GRAIN = 32768

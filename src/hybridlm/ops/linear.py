@@ -3,7 +3,7 @@
 Decode on CPU is bound by how fast the weights stream from memory. ``F.linear`` with a single
 bf16 row goes through oneDNN and moves ~18-23 GB/s of weights on 2 cores where a plain read
 reaches ~30 GB/s; this kernel moves ~28-29 GB/s (benchmarks/matvec.py). For inputs with at most
-``kernel_rows()`` rows (``MAX_FAST_ROWS`` with AVX512-BF16, else 4) and bf16 CPU tensors,
+``kernel_rows()`` rows (``MAX_FAST_ROWS``, every ISA) and bf16 CPU tensors,
 ``linear`` instead calls a small C kernel (compiled with the system C compiler on first use and
 cached on disk) that reads every weight row exactly once for all input rows, accumulates in fp32
 and rounds the result to bf16 once, like ``F.linear``. Prefill-sized bf16 CPU inputs multiply in
@@ -46,10 +46,10 @@ __all__ = [
 # Most input rows the kernel takes: decode (1 row) and speculative verify (up to FEW_TOKENS). Where
 # the CPU has bf16 dot-product instructions (AVX512-BF16) a row costs one instruction per 32
 # weights: on one thread, 6144 x 1024 takes 0.91 ms for 1 row, 1.14 for 4, 1.58 for 9 (oneDNN: 1.27,
-# 1.38, 1.47). Without them each row costs two fp32 FMAs per weight pair and from 5 rows on the
-# kernel is compute-bound, so it stops at 4 rows. One kernel for every row count makes a row's
-# result independent of the rows beside it: a verify pass computes each position exactly as a
-# one-token decode step does.
+# 1.38, 1.47). Without them (AVX2) each row costs two fp32 FMAs per weight pair and a few rows make
+# the kernel compute-bound, but it still takes every decode-sized call: one kernel for every row
+# count is what makes a row's result independent of the rows beside it on every ISA (a verify pass
+# computes each position exactly as a one-token decode step does; a packed row as its own forward).
 MAX_FAST_ROWS = FEW_TOKENS
 
 # The kernel: csrc/linear.c.
@@ -62,15 +62,11 @@ KERNEL = NativeKernel(
     ctypes.c_int,
     fallback="F.linear",
 )
-# The same library's answer to "how many rows do you take" (MAX_FAST_ROWS or 4, see above).
-ROWS = NativeKernel("linear_bf16", "linear.c", "hybridlm_linear_max_rows", [], ctypes.c_int64, "F.linear")
 
 
-@functools.cache
 def kernel_rows() -> int:
     """Most input rows the built kernel takes (0 without a kernel)."""
-    fn = ROWS.get()
-    return fn() if fn is not None and KERNEL.get() is not None else 0
+    return MAX_FAST_ROWS if KERNEL.get() is not None else 0
 
 
 def fast_path_available() -> bool:

@@ -3,9 +3,14 @@
 The CPU decode path is dominated by per-call overhead of many tiny ATen ops and by memory-bound
 matrix-vector products; a few fused C loops (``ops.linear``, ``ops.gated_delta``) remove both. Each
 kernel family is one C file in ``ops/csrc/`` (shipped with the package; ``bf16.h`` holds the shared
-bf16 helpers), built with ``-O3 -march=native -fopenmp`` into ``$XDG_CACHE_HOME/hybridlm/kernels``
+bf16 helpers), built with ``-O3 -march=<level> -fopenmp`` into ``$XDG_CACHE_HOME/hybridlm/kernels``
 (default ``~/.cache/hybridlm/kernels``) under a name keyed by the sources (the file and every header
 beside it), compiler, flags and CPU, so a changed kernel or machine never loads a stale build.
+
+The level is ``native`` (every instruction this CPU has) unless ``HYBRIDLM_MARCH`` names another.
+Each kernel has a path per ISA level it matters on (AVX-512, AVX2 + FMA, and portable GCC vector
+code for the rest, NEON included) chosen by the compiler's predefined macros, so building one source
+at each level this CPU runs (`isa_levels`, `built_for`) tests every path the machine can execute.
 
 Set ``HYBRIDLM_COMPILE=0`` to disable every kernel; if one cannot be built (no compiler, build
 error) its callers fall back to plain torch with one logged warning.
@@ -30,7 +35,11 @@ logger = logging.getLogger(__name__)
 
 # -fopenmp: the library then needs libgomp.so.1, which the dynamic loader resolves to the copy
 # torch already loaded, so the kernels share torch's OpenMP thread pool instead of adding one.
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
+CFLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
+
+# The -march level kernels are built for now: `HYBRIDLM_MARCH`, else every instruction of this CPU.
+# Tests switch it process-wide with `built_for`.
+_level = os.environ.get("HYBRIDLM_MARCH") or "native"
 
 # Most tokens a call is treated as decode-like: a verify pass of 16 drafts plus its current token.
 # Every per-token kernel takes at least this many tokens, and computes each token as it would alone,
@@ -66,6 +75,58 @@ def _cpu_signature() -> str:
         return platform.processor()
 
 
+def _cpu_flags() -> set[str]:
+    """The CPU's feature flags as /proc/cpuinfo lists them (empty where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("flags", "Features"))]
+        return {flag for ln in lines for flag in ln.split(":", 1)[1].split()}
+    except OSError:
+        return set()
+
+
+# What each x86-64 micro-architecture level adds (as /proc/cpuinfo names them), after GCC's levels.
+X86_LEVELS = {
+    "x86-64-v2": {"ssse3", "sse4_1", "sse4_2", "popcnt"},
+    "x86-64-v3": {"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe"},
+    "x86-64-v4": {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"},
+}
+
+
+def isa_levels() -> list[str]:
+    """The ``-march`` levels whose code this CPU runs, lowest first, ending with ``native``: on x86-64
+    ``x86-64-v2`` (SSE4.2: the kernels' portable vector code), ``x86-64-v3`` (AVX2 + FMA + F16C) and
+    ``x86-64-v4`` (AVX-512) as far as the CPU has them; on aarch64 ``armv8-a`` (NEON)."""
+    machine = platform.machine().lower()
+    if machine in ("x86_64", "amd64"):
+        flags, levels, need = _cpu_flags(), [], set()
+        for level, adds in X86_LEVELS.items():
+            need |= adds
+            if need <= flags:
+                levels.append(level)
+        return [*levels, "native"]
+    if machine in ("aarch64", "arm64"):
+        return ["armv8-a", "native"]
+    return ["native"]
+
+
+def isa_level() -> str:
+    """The ``-march`` level kernels are built for now."""
+    return _level
+
+
+@contextmanager
+def built_for(level: str) -> Iterator[None]:
+    """Inside, every `NativeKernel.get()` (on every thread) returns the kernel built with
+    ``-march=level``: how the tests run each ISA path this CPU can execute."""
+    global _level
+    before, _level = _level, level
+    try:
+        yield
+    finally:
+        _level = before
+
+
 def source_path(file: str) -> Path:
     """Path of kernel source `file` (e.g. ``"linear.c"``) in the package's ``csrc`` directory."""
     return CSRC / file
@@ -79,20 +140,21 @@ def compiler() -> str:
     return cc
 
 
-def compile_library(name: str, file: str) -> Path:
-    """Compile kernel source `file` into a shared library (or reuse the cached build) and return
-    its path."""
+def compile_library(name: str, file: str, level: str | None = None) -> Path:
+    """Compile kernel source `file` for ``-march=level`` (default: `isa_level()`) into a shared library
+    (or reuse the cached build) and return its path."""
     cc = compiler()
+    flags = (*CFLAGS, f"-march={level or _level}")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
     # The headers are part of every kernel's source: a changed helper rebuilds every kernel.
     sources = [source_path(file).read_text()] + [h.read_text() for h in sorted(CSRC.glob("*.h"))]
-    parts = [*sources, cc, version, " ".join(CFLAGS), platform.machine(), _cpu_signature()]
+    parts = [*sources, cc, version, " ".join(flags), platform.machine(), _cpu_signature()]
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
     lib_path = cache_dir() / f"{name}-{key}.so"
     if not lib_path.exists():
         with tempfile.TemporaryDirectory(dir=lib_path.parent) as tmp:
             out = Path(tmp) / lib_path.name
-            cmd = [cc, *CFLAGS, f"-I{CSRC}", str(source_path(file)), "-o", str(out)]
+            cmd = [cc, *flags, f"-I{CSRC}", str(source_path(file)), "-o", str(out)]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode != 0:
                 raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-2000:]}")
@@ -122,7 +184,7 @@ class ThreadFlag:
 
 
 class NativeKernel:
-    """One C entry point, built on first `get()` (thread-safe, at most once per process).
+    """One C entry point, built on first `get()` (thread-safe, at most once per process and ISA level).
 
     name: library file stem; file: its C source in ``csrc``; symbol: the exported function;
     argtypes / restype: its ctypes
@@ -134,12 +196,12 @@ class NativeKernel:
         self.name, self.file, self.symbol = name, file, symbol
         self.argtypes, self.restype, self.fallback = argtypes, restype, fallback
         self._lock = threading.Lock()
-        self._resolved = False
-        self._fn: ctypes._CFuncPtr | None = None
+        self._fns: dict[str, ctypes._CFuncPtr | None] = {}
 
-    def build(self) -> ctypes._CFuncPtr:
-        """Compile (or reuse the cached build) and return the entry point."""
-        fn = getattr(ctypes.CDLL(str(compile_library(self.name, self.file))), self.symbol)
+    def build(self, level: str | None = None) -> ctypes._CFuncPtr:
+        """Compile for ``-march=level`` (default: `isa_level()`; or reuse the cached build) and return
+        the entry point."""
+        fn = getattr(ctypes.CDLL(str(compile_library(self.name, self.file, level))), self.symbol)
         fn.argtypes, fn.restype = self.argtypes, self.restype
         if self.restype is ctypes.c_int:  # the kernels' status: 0, or -1 when out of memory
             fn.errcheck = self._check_status
@@ -151,19 +213,22 @@ class NativeKernel:
         return status
 
     def get(self) -> ctypes._CFuncPtr | None:
-        """The entry point; None when HYBRIDLM_COMPILE=0 or the build failed."""
-        if not self._resolved:
-            with self._lock:
-                if not self._resolved:
-                    if os.environ.get("HYBRIDLM_COMPILE", "1") != "0":
-                        try:
-                            self._fn = self.build()
-                        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-                            logger.warning(
-                                "%s kernel unavailable, using %s: %s", self.name, self.fallback, exc
-                            )
-                    self._resolved = True
-        return self._fn
+        """The entry point built for `isa_level()`; None when HYBRIDLM_COMPILE=0 or the build failed."""
+        level = _level
+        try:
+            return self._fns[level]
+        except KeyError:
+            pass
+        with self._lock:
+            if level not in self._fns:
+                fn = None
+                if os.environ.get("HYBRIDLM_COMPILE", "1") != "0":
+                    try:
+                        fn = self.build(level)
+                    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+                        logger.warning("%s kernel unavailable, using %s: %s", self.name, self.fallback, exc)
+                self._fns[level] = fn
+        return self._fns[level]
 
 
 def checked_splits(splits, length: int) -> list[int]:

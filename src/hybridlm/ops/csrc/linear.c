@@ -2,9 +2,9 @@
    Weight rows are processed in blocks of RB rows against up to MC input rows at a time, so each
    weight byte is loaded from memory once and reused from registers for every input row. bf16 is
    the upper half of fp32: a 32-bit load of two packed bf16 gives the even element as `u << 16`
-   and the odd one as `u & 0xffff0000`, so x is pre-converted to fp32 with each 32-block split
-   into its 16 even then 16 odd elements, and the inner loop needs no shuffles. GCC vector
-   extensions keep this portable; -march=native picks AVX-512/AVX2/NEON widths. */
+   and the odd one as `u & 0xffff0000`. With AVX512-BF16, vdpbf16ps multiplies the pairs directly;
+   elsewhere (AVX2, SSE, NEON: portable GCC vector code) x is pre-converted to fp32 with each block
+   split into its even then odd elements, so the inner loop needs no shuffles. */
 #include "bf16.h"
 #include <stdlib.h>
 #define PREFETCH_BYTES 16384
@@ -19,9 +19,9 @@
    linears of a Qwen3.5-0.8B-shaped decode step 96 -> 82 ms, one row unchanged (29 GB/s); 6 x 4
    spilled (101 ms). The tile shape never changes a row's arithmetic. */
 #define RB 3
+#define BLK 32 /* unused here: x stays bf16 */
 #define MC 8  /* input rows per pass; more rows take several passes over a block held in L1 */
 #include <immintrin.h>
-#define MAX_ROWS 17  /* FEW_TOKENS */
 /* The same tile with vdpbf16ps: x stays bf16, each instruction multiplies 32 bf16 pairs and adds
    them (exactly: products of bf16 fit an fp32) into 16 fp32 sums, odd element then even. */
 static inline __attribute__((always_inline)) void tile_dp(const uint16_t* x, int64_t K, int mc,
@@ -72,45 +72,46 @@ static void tile_dp_any(const uint16_t* x, int64_t K, int mc, const uint16_t* w,
 #define TILE_ANY(x, xf, K, mc, w, rb, out) tile_dp_any(x, K, mc, w, rb, out)
 #define X_AS_F32 0
 #else
-#define MAX_ROWS 4
-typedef float f32x16 __attribute__((vector_size(64)));
+/* Without bf16 dot products: GCC vector extensions of 8 floats, one AVX2 register (two SSE or NEON
+   registers). Each weight pair costs two fp32 FMAs per input row, so rows come in passes of MC over
+   a block of RB weight rows that stays in L1, and the conversion of the weights is shared by a
+   pass's rows. RB x MC = 12 accumulators leave 4 of AVX2's 16 registers for the weights' even / odd
+   halves (x is read straight from L1 by the FMAs). x is pre-converted to fp32 with each 16-block
+   split into its 8 even then 8 odd elements, so the inner loop needs no shuffles. A row's sums are
+   the same instructions in the same order in every tile shape, so they never depend on the rows
+   beside it. */
 typedef float f32x8 __attribute__((vector_size(32)));
 typedef float f32x4 __attribute__((vector_size(16)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
 #define RB 4
-#define MC 4  /* input rows per pass; more rows take several passes over a block held in L1 */
+#define MC 3  /* input rows per pass; more rows take several passes over a block held in L1 */
+#define BLK 16 /* bf16 weights per step of a row: 8 u32 words */
 
-static inline u32x16 load_u32x16(const void* p) { u32x16 v; memcpy(&v, p, sizeof v); return v; }
-static inline f32x16 load_f32x16(const float* p) { f32x16 v; memcpy(&v, p, sizeof v); return v; }
-static inline float hsum(f32x16 v) {
-    f32x8 a, b; memcpy(&a, &v, 32); memcpy(&b, (char*)&v + 32, 32); a += b;
-    f32x4 c, d; memcpy(&c, &a, 16); memcpy(&d, (char*)&a + 16, 16); c += d;
-    return (c[0] + c[2]) + (c[1] + c[3]);
+static inline u32x8 load_u32x8(const void* p) { u32x8 v; memcpy(&v, p, sizeof v); return v; }
+static inline f32x8 load_f32x8(const float* p) { f32x8 v; memcpy(&v, p, sizeof v); return v; }
+static inline float hsum(f32x8 v) {
+    f32x4 a, b; memcpy(&a, &v, 16); memcpy(&b, (char*)&v + 16, 16); a += b;
+    return (a[0] + a[2]) + (a[1] + a[3]);
 }
 
 /* out[r][c] = dot(w row r, x row c) for r < rb, c < mc; inlined with constant rb, mc so the
    accumulators live in registers. */
 static inline __attribute__((always_inline)) void tile(const float* xf, int64_t K, int mc,
                                                        const uint16_t* w, int rb, float out[RB][MC]) {
-    f32x16 acc[RB][MC];
-    for (int r = 0; r < rb; r++) for (int c = 0; c < mc; c++) acc[r][c] = (f32x16){0};
-    const u32x16 hi = (u32x16){0} + 0xffff0000u;
+    f32x8 acc[RB][MC];
+    for (int r = 0; r < rb; r++) for (int c = 0; c < mc; c++) acc[r][c] = (f32x8){0};
+    const u32x8 hi = (u32x8){0} + 0xffff0000u;
     int64_t k = 0;
-    for (; k + 32 <= K; k += 32) {
-        f32x16 even[RB], odd[RB];
+    for (; k + BLK <= K; k += BLK) {
         for (int r = 0; r < rb; r++) {
             /* RB interleaved rows are RB short streams that the hardware prefetcher ramps up too
                late; fetching 16 KiB ahead lifts DRAM reads from ~22 to ~29 GB/s on 2 cores. */
             __builtin_prefetch((const char*)(w + r * K + k) + PREFETCH_BYTES, 0, 1);
-            const u32x16 u = load_u32x16(w + r * K + k);
-            even[r] = (f32x16)(u << 16);
-            odd[r] = (f32x16)(u & hi);
-        }
-        for (int c = 0; c < mc; c++) {
-            const f32x16 xe = load_f32x16(xf + c * K + k), xo = load_f32x16(xf + c * K + k + 16);
-            for (int r = 0; r < rb; r++) {
-                acc[r][c] += even[r] * xe;
-                acc[r][c] += odd[r] * xo;
+            const u32x8 u = load_u32x8(w + r * K + k);
+            const f32x8 even = (f32x8)(u << 16), odd = (f32x8)(u & hi);
+            for (int c = 0; c < mc; c++) {
+                acc[r][c] += even * load_f32x8(xf + c * K + k);
+                acc[r][c] += odd * load_f32x8(xf + c * K + k + 8);
             }
         }
     }
@@ -124,15 +125,14 @@ static inline __attribute__((always_inline)) void tile(const float* xf, int64_t 
 #define TILE(rows, cols) tile(xf, K, cols, w, rows, out)
 static void tile_any(const float* xf, int64_t K, int mc, const uint16_t* w, int rb, float out[RB][MC]) {
     if (rb == RB) {
-        switch (mc) { case 1: TILE(RB, 1); break; case 2: TILE(RB, 2); break;
-                      case 3: TILE(RB, 3); break; default: TILE(RB, MC); }
+        switch (mc) { case 1: TILE(RB, 1); break; case 2: TILE(RB, 2); break; default: TILE(RB, MC); }
         return;
     }
     for (int r = 0; r < rb; r++) {  /* the last N % RB rows, one at a time */
         float row[RB][MC];
         const uint16_t* wr = w + r * K;
         switch (mc) { case 1: tile(xf, K, 1, wr, 1, row); break; case 2: tile(xf, K, 2, wr, 1, row); break;
-                      case 3: tile(xf, K, 3, wr, 1, row); break; default: tile(xf, K, MC, wr, 1, row); }
+                      default: tile(xf, K, MC, wr, 1, row); }
         for (int c = 0; c < mc; c++) out[r][c] = row[0][c];
     }
 }
@@ -140,9 +140,8 @@ static void tile_any(const float* xf, int64_t K, int mc, const uint16_t* w, int 
 #define X_AS_F32 1
 #endif
 
-int64_t hybridlm_linear_max_rows(void) { return MAX_ROWS; }
-
-/* x [M, K], w [N, K], bias [N] or NULL, y [M, N]; all bf16 and contiguous. Returns 0 or -1
+/* x [M, K], w [N, K], bias [N] or NULL, y [M, N]; all bf16 and contiguous; M up to FEW_TOKENS (17)
+   rows, more are accepted but the tiles are sized for decode and verify. Returns 0 or -1
    (out of memory). */
 int hybridlm_linear_bf16(const uint16_t* x, int64_t M, const uint16_t* w, const uint16_t* bias,
                          uint16_t* y, int64_t N, int64_t K, int nthreads) {
@@ -150,16 +149,16 @@ int hybridlm_linear_bf16(const uint16_t* x, int64_t M, const uint16_t* w, const 
     if (X_AS_F32) {
         xf = malloc((size_t)(M * K) * sizeof(float));
         if (!xf) return -1;
-        const int64_t K32 = K / 32 * 32;
+        const int64_t KB = K / BLK * BLK, half = BLK / 2;
         for (int64_t m = 0; m < M; m++) {
             const uint16_t* src = x + m * K;
             float* dst = xf + m * K;
-            for (int64_t k = 0; k < K32; k += 32)
-                for (int i = 0; i < 16; i++) {
+            for (int64_t k = 0; k < KB; k += BLK)
+                for (int i = 0; i < half; i++) {
                     dst[k + i] = bf16_to_f32(src[k + 2 * i]);
-                    dst[k + 16 + i] = bf16_to_f32(src[k + 2 * i + 1]);
+                    dst[k + half + i] = bf16_to_f32(src[k + 2 * i + 1]);
                 }
-            for (int64_t k = K32; k < K; k++) dst[k] = bf16_to_f32(src[k]);
+            for (int64_t k = KB; k < K; k++) dst[k] = bf16_to_f32(src[k]);
         }
     }
     const int64_t nblocks = (N + RB - 1) / RB;
