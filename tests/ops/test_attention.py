@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hybridlm.batch import Batch, Packed
@@ -43,7 +43,7 @@ def inputs(B, Hq, Hkv, L, T, D, dtype, seed=0):
     ("L", "T", "key_start", "window", "softcap"),
     [(1, 150, 0, None, None), (9, 200, 0, None, 30.0), (5, 40, 100, 16, None), (16, 130, 7, 70, None)],
 )
-def test_kernel_matches_float64(dtype, L, T, key_start, window, softcap):
+def test_kernel_matches_float64(dtype, L, T, key_start, window, softcap, isa):
     q, k, v = inputs(1, 8, 2, L, T, 64, dtype, seed=L)
     batch = Batch.single([0] * L, offset=key_start + T - L)
     got = attention(q, k, v, batch, key_start=key_start, scale=0.125, window=window, softcap=softcap)
@@ -53,7 +53,7 @@ def test_kernel_matches_float64(dtype, L, T, key_start, window, softcap):
 
 
 @needs_kernel
-def test_kernel_handles_ragged_rows_and_strided_caches():
+def test_kernel_handles_ragged_rows_and_strided_caches(isa):
     q, k, v = inputs(2, 4, 4, 6, 30, 32, torch.float32, seed=3)
     big = torch.randn(2, 4, 50, 32)
     big[:, :, :30] = k  # a cache buffer with spare capacity: k is a strided view of it
@@ -66,7 +66,7 @@ def test_kernel_handles_ragged_rows_and_strided_caches():
 
 @needs_kernel
 @pytest.mark.parametrize("window", [None, 20])
-def test_a_query_gets_the_same_bits_alone_as_inside_a_verify_pass(window):
+def test_a_query_gets_the_same_bits_alone_as_inside_a_verify_pass(window, isa):
     """The position after a verify pass's j-th token must be computed exactly as one decode step
     at that position computes it: bit for bit, in bf16."""
     L, T = KERNEL_MAX_QUERIES, 90
@@ -135,14 +135,14 @@ def test_split_buffers_are_joined_where_the_kernel_does_not_run(monkeypatch):
 
 
 @needs_kernel
-@settings(deadline=None, max_examples=30)
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture], deadline=None, max_examples=30)
 @given(
     n_seq=st.integers(1, 5),
     dtype=st.sampled_from([torch.bfloat16, torch.float32]),
     softcap=st.sampled_from([None, 20.0]),
     data=st.data(),
 )
-def test_property_packed_attention_equals_each_sequence_alone_bitwise(n_seq, dtype, softcap, data):
+def test_property_packed_attention_equals_each_sequence_alone_bitwise(n_seq, dtype, softcap, data, isa):
     """Several sequences' queries (1 to KERNEL_MAX_QUERIES each) packed in one call, each over its own
     keys / values (a view into a larger buffer, at its own key_start, maybe after shared segments
     cut anywhere, maybe windowed): each sequence's output equals, bit for bit, its own `attention`

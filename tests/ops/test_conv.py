@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hybridlm.ops import conv as conv_mod
@@ -42,7 +42,7 @@ def is_compact(t):
 @pytest.mark.parametrize("activation", [None, "silu"])
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("B, L, C, K", [(2, 1, 6, 4), (2, 13, 6, 4), (1, 5, 3, 2), (3, 9, 5, 1)])
-def test_fp32_matches_float64_reference(B, L, C, K, bias, activation):
+def test_fp32_matches_float64_reference(B, L, C, K, bias, activation, isa):
     x, weight, b, prior = make_inputs(B, L, C, K, bias=bias)
     out, tail, _ = causal_conv1d(x, weight, b, prior, activation=activation)
     assert out.shape == x.shape and out.dtype == x.dtype
@@ -52,7 +52,7 @@ def test_fp32_matches_float64_reference(B, L, C, K, bias, activation):
 
 
 @pytest.mark.parametrize("L", [1, 7])
-def test_bf16_matches_float64_reference_within_bf16_rounding(L):
+def test_bf16_matches_float64_reference_within_bf16_rounding(L, isa):
     x, weight, b, prior = make_inputs(2, L, 16, 4, dtype=torch.bfloat16, seed=1)
     out, tail, _ = causal_conv1d(x, weight, b, prior, activation="silu")
     assert out.dtype == torch.bfloat16 and tail.dtype == torch.bfloat16
@@ -194,7 +194,7 @@ def test_property_split_calls_equal_one_call(B, L, K, data):
 @pytest.mark.skipif(conv_mod.CONV_KERNEL.get() is None, reason="conv kernel could not be built")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("L", [1, 4, conv_mod.FUSED_MAX_LEN])
-def test_fused_short_conv_equals_the_torch_path(monkeypatch, dtype, L):
+def test_fused_short_conv_equals_the_torch_path(monkeypatch, dtype, L, isa):
     """Few-token inputs run the C kernel; outputs, tails and boundary tails equal the torch path's
     (bf16: the same rounding points, up to one ulp from the summation order)."""
     x, w, b, prior = make_inputs(3, L, 40, 4, dtype=dtype, seed=L)
@@ -209,7 +209,7 @@ def test_fused_short_conv_equals_the_torch_path(monkeypatch, dtype, L):
 
 
 @pytest.mark.skipif(conv_mod.CONV_PACKED_KERNEL.get() is None, reason="conv kernel could not be built")
-@settings(deadline=None, max_examples=30)
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture], deadline=None, max_examples=30)
 @given(
     lens=st.lists(st.integers(1, conv_mod.FUSED_MAX_LEN), min_size=1, max_size=5),
     K=st.integers(2, 5),
@@ -218,7 +218,7 @@ def test_fused_short_conv_equals_the_torch_path(monkeypatch, dtype, L):
     activation=st.sampled_from([None, "silu"]),
     data=st.data(),
 )
-def test_property_packed_conv_equals_each_sequence_alone_bitwise(lens, K, dtype, bias, activation, data):
+def test_property_packed_conv_equals_each_sequence_alone_bitwise(lens, K, dtype, bias, activation, data, isa):
     """Ragged sequences (1 to FUSED_MAX_LEN tokens, their own priors and split points, unused rows
     between them) convolved in one packed call: each sequence's outputs, tail and boundary tails
     equal, bit for bit, those of its own `causal_conv1d` call."""

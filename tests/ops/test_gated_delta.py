@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hybridlm.ops import gated_delta as gated_delta_mod
@@ -308,7 +308,7 @@ GDN_HEADS = [(2, 4, 16, 8), (3, 3, 8, 24)]
 @needs_fused
 @pytest.mark.parametrize("heads", GDN_HEADS)
 @pytest.mark.parametrize("L", [1, 3, 17, 70, 150])
-def test_fused_scan_matches_float64_reference_and_composed_ops(heads, L):
+def test_fused_scan_matches_float64_reference_and_composed_ops(heads, L, isa):
     inputs = gdn_inputs(2, L, *heads, torch.float32, seed=L)
     o, state, _ = gdn_scan(inputs, heads, fused=True)
     ref_o, ref_state = gdn_reference(inputs, heads)
@@ -321,7 +321,7 @@ def test_fused_scan_matches_float64_reference_and_composed_ops(heads, L):
 
 @needs_fused
 @pytest.mark.parametrize("L", [1, 5])
-def test_fused_scan_in_bf16_rounds_like_the_composed_ops(L):
+def test_fused_scan_in_bf16_rounds_like_the_composed_ops(L, isa):
     heads = GDN_HEADS[0]
     inputs = gdn_inputs(1, L, *heads, torch.bfloat16, seed=7)
     o, state, _ = gdn_scan(inputs, heads, fused=True)
@@ -333,7 +333,7 @@ def test_fused_scan_in_bf16_rounds_like_the_composed_ops(L):
 
 
 @needs_fused
-def test_fused_scan_boundaries_ragged_rows_and_inplace_state():
+def test_fused_scan_boundaries_ragged_rows_and_inplace_state(isa):
     heads = GDN_HEADS[0]
     inputs = gdn_inputs(3, 6, *heads, torch.float32, seed=3)
     kw = dict(query_lens=[6, 2, 4], splits=[0, 1, 3, 6])
@@ -374,13 +374,13 @@ def _no_kernel():
 
 
 @needs_fused
-@settings(deadline=None, max_examples=25)
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture], deadline=None, max_examples=25)
 @given(
     lens=st.lists(st.integers(1, FUSED_MAX_LEN), min_size=1, max_size=5),
     dtype=st.sampled_from([torch.bfloat16, torch.float32]),
     data=st.data(),
 )
-def test_property_packed_scan_equals_each_sequence_alone_bitwise(lens, dtype, data):
+def test_property_packed_scan_equals_each_sequence_alone_bitwise(lens, dtype, data, isa):
     """Ragged sequences (1 to 64 tokens, their own states and split points) scanned in one packed call
     (with unused rows between them) give each sequence's output, final state and boundary states bit
     for bit as its own call does."""

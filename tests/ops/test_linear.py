@@ -74,7 +74,7 @@ def test_matches_f_linear(dtype, rows, bias, shape):
 @pytest.mark.parametrize("rows", range(1, MAX_FAST_ROWS + 1))
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_kernel_path(rows, bias, shape, no_f_linear):
+def test_kernel_path(rows, bias, shape, no_f_linear, isa):
     if rows > kernel_rows():
         pytest.skip(f"this CPU's kernel takes {kernel_rows()} rows")
     layer = _layer(*shape, bias, torch.bfloat16)
@@ -94,7 +94,7 @@ def test_kernel_3d_and_strided_input(lead, no_f_linear):
 
 
 @needs_kernel
-def test_a_row_gives_the_same_bits_whatever_rows_share_the_call(no_f_linear):
+def test_a_row_gives_the_same_bits_whatever_rows_share_the_call(no_f_linear, isa):
     """Batch invariance: a verify pass must compute each position as a one-row decode does."""
     layer = _layer(77, 1000, True, torch.bfloat16)
     x = torch.randn(kernel_rows(), 1000).to(torch.bfloat16)
@@ -104,7 +104,7 @@ def test_a_row_gives_the_same_bits_whatever_rows_share_the_call(no_f_linear):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_under_rowwise_many_rows_are_each_computed_as_alone(dtype):
+def test_under_rowwise_many_rows_are_each_computed_as_alone(dtype, isa):
     """A packed forward of many sequences' decode rows (more than a kernel call takes): each row's
     result is a one-row call's, on the kernel path (bf16) and the F.linear one (float32)."""
     layer = _layer(77, 1000, True, dtype)

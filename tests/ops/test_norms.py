@@ -34,7 +34,7 @@ def make(cls, dim, dtype, seed):
 @pytest.mark.parametrize("cls", [RMSNorm, OffsetRMSNorm, GatedRMSNorm])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(1, 1, 64), (2, 3, 4, 24), (5, 7)])
-def test_fused_norm_equals_the_torch_composition(cls, dtype, shape):
+def test_fused_norm_equals_the_torch_composition(cls, dtype, shape, isa):
     norm = make(cls, shape[-1], dtype, seed=len(shape))
     x = (3 * torch.randn(shape)).to(dtype)
     gate = torch.randn(shape).to(dtype) if cls is GatedRMSNorm else None
@@ -49,7 +49,7 @@ def test_fused_norm_equals_the_torch_composition(cls, dtype, shape):
 
 
 @needs_kernel
-def test_fused_norm_matches_float64():
+def test_fused_norm_matches_float64(isa):
     norm = make(OffsetRMSNorm, 48, torch.float32, seed=3)
     x = torch.randn(4, 48)
     ref = x.double() / x.double().pow(2).mean(-1, keepdim=True).add(1e-6).sqrt() * (1 + norm.weight.double())

@@ -38,7 +38,7 @@ def test_quantize_activations_maps_each_block_peak_to_127_and_roundtrips_within_
 
 @needs_vnni
 @pytest.mark.parametrize("k, block", [(128, 128), (128, 64), (40, 40), (48, 16)])
-def test_c_activation_quantization_equals_the_torch_definition(k, block):
+def test_c_activation_quantization_equals_the_torch_definition(k, block, isa):
     x = _x(21, k)
     got, want = quant_gemm._quantized(x, block), quantize_activations(x, block)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
@@ -60,7 +60,7 @@ def _int8_reference64(x, layer):
 @needs_vnni
 # whole-row scales (96 is no multiple of ACT_BLOCK), ACT_BLOCK blocks; a short last panel; no bias
 @pytest.mark.parametrize("k, n, bias", [(96, 48, True), (256, 37, True), (256, 32, False)])
-def test_int8_prefill_equals_a_float64_reference_of_the_quantized_math(k, n, bias):
+def test_int8_prefill_equals_a_float64_reference_of_the_quantized_math(k, n, bias, isa):
     layer = _layer(k, n, "int8", bias=bias)
     x = _x(30, k)
     y = int8_prefill(x, layer.qweight, layer.scales, layer.bias).double()
@@ -95,7 +95,7 @@ def _int4_reference64(x, layer):
 @needs_vnni
 # full panels, a short last one, GPTQ's fp16 scales
 @pytest.mark.parametrize("n, fp16", [(48, False), (37, False), (40, True)])
-def test_int4_prefill_equals_a_float64_reference_of_the_quantized_math(n, fp16):
+def test_int4_prefill_equals_a_float64_reference_of_the_quantized_math(n, fp16, isa):
     layer = _layer(256, n, "int4")
     if fp16:
         layer.scales = layer.scales.to(torch.float16)
@@ -109,7 +109,7 @@ def test_int4_prefill_equals_a_float64_reference_of_the_quantized_math(n, fp16):
 
 @needs_vnni
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
-def test_prefill_row_never_depends_on_the_rows_beside_it(scheme):
+def test_prefill_row_never_depends_on_the_rows_beside_it(scheme, isa):
     layer = _layer(128, 45, scheme)
     x = _x(40, 128)
     run = layer._forward_integer

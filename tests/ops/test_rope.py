@@ -36,7 +36,7 @@ def _case(batch, heads, length, dim, rot, heads_first, dtype=torch.bfloat16, see
     [c for c in itertools.product([1, 2], [1, 8], [1, 3, 17, 300], [64, 256], [16, 64], [True, False])
      if c[4] <= c[3]],
 )
-def test_the_kernel_gives_the_composed_ops_bits(batch, heads, length, dim, rot, heads_first):
+def test_the_kernel_gives_the_composed_ops_bits(batch, heads, length, dim, rot, heads_first, isa):
     x, cos, sin = _case(batch, heads, length, dim, rot, heads_first)
     assert rope_mod._kernel_applies(x, cos, sin)
     y = apply_rotary(x, cos, sin)
@@ -45,7 +45,7 @@ def test_the_kernel_gives_the_composed_ops_bits(batch, heads, length, dim, rot, 
 
 
 @needs_kernel
-def test_a_row_is_rotated_as_it_would_be_alone():
+def test_a_row_is_rotated_as_it_would_be_alone(isa):
     x, cos, sin = _case(2, 8, 17, 256, 64, heads_first=False)
     whole = apply_rotary(x, cos, sin)
     for b, t in [(0, 0), (1, 16), (1, 5)]:
