@@ -44,6 +44,8 @@ static inline float scale_f32(uint16_t v, int fp16) {
 #define MC8 4 /* input rows per pass of the int8 tile */
 #define MP4 2 /* most panels of an int4 tile (2 for one input row, else 1) */
 #define MC4 4 /* its most input rows */
+#define TILE4_ROWS(mc) switch (mc) { case 1: TILE4(1, 1); break; case 2: TILE4(1, 2); break; \
+                                     case 3: TILE4(1, 3); break; default: TILE4(1, MC4); }
 
 /* int8: weights widened to float32 16 at a time and multiplied with x in float32. */
 static inline __attribute__((always_inline)) void tile_i8(const float* xf, int64_t K, int mc, const int8_t* w,
@@ -148,33 +150,152 @@ static inline __attribute__((always_inline)) void tile_i4(const float* xf, int64
     }
 }
 #else
+/* Without AVX-512: GCC vector extensions of 8 floats, one AVX2 register (two of SSE or NEON). A tile's
+   accumulators must fit AVX2's 16 registers: int8 takes 3 input rows a pass (12 sums), int4 keeps two
+   sums per half panel and input row (even and odd inputs: 8 for two panels against one row). */
 #define QUANT_SIMD 0
-#define MC8 4
+#if defined(__SSE4_1__)
+#include <immintrin.h>
+#elif defined(__ARM_NEON)
+#include <arm_neon.h>
+#endif
+#define MC8 3
 #define MP4 2
-#define MC4 4
-/* Portable tiles: one output at a time, the same order for any rows beside it. */
-static void tile_i8(const float* xf, int64_t K, int mc, const int8_t* w, int rb, float out[RB1][MC8]) {
+#define MC4 2
+#define TILE4_ROWS(mc) switch (mc) { case 1: TILE4(1, 1); break; default: TILE4(1, MC4); }
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef float f32x4 __attribute__((vector_size(16)));
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+
+static inline f32x8 load_f32x8(const float* p) { f32x8 v; memcpy(&v, p, sizeof v); return v; }
+/* 8 int8 weights as float32 exactly. GCC 12 lowers a generic int8 -> float vector conversion to one
+   scalar conversion per element, so each ISA gets its widening instructions. */
+static inline f32x8 widen_i8(const int8_t* p) {
+#if defined(__AVX2__)
+    return (f32x8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+#elif defined(__SSE4_1__)
+    const __m128i b = _mm_loadl_epi64((const __m128i*)p);
+    const __m128 lo = _mm_cvtepi32_ps(_mm_cvtepi8_epi32(b)), hi = _mm_cvtepi32_ps(_mm_cvtepi8_epi32(_mm_srli_si128(b, 4)));
+    f32x8 v;
+    memcpy(&v, &lo, 16);
+    memcpy((char*)&v + 16, &hi, 16);
+    return v;
+#elif defined(__ARM_NEON)
+    const int16x8_t h = vmovl_s8(vld1_s8(p));
+    const float32x4_t lo = vcvtq_f32_s32(vmovl_s16(vget_low_s16(h))), hi = vcvtq_f32_s32(vmovl_s16(vget_high_s16(h)));
+    f32x8 v;
+    memcpy(&v, &lo, 16);
+    memcpy((char*)&v + 16, &hi, 16);
+    return v;
+#else
+    f32x8 v;
+    for (int i = 0; i < 8; i++) v[i] = (float)p[i];
+    return v;
+#endif
+}
+static inline float hsum(f32x8 v) {
+    f32x4 a, b; memcpy(&a, &v, 16); memcpy(&b, (char*)&v + 16, 16); a += b;
+    return (a[0] + a[2]) + (a[1] + a[3]);
+}
+
+/* int8: weights widened to float32 8 at a time and multiplied with x in float32. */
+static inline __attribute__((always_inline)) void tile_i8(const float* xf, int64_t K, int mc, const int8_t* w,
+                                                          int rb, float out[RB1][MC8]) {
+    f32x8 acc[RB1][MC8];
+    for (int r = 0; r < rb; r++) for (int c = 0; c < mc; c++) acc[r][c] = (f32x8){0};
+    /* whole blocks ahead: each row stream prefetches its own row of the thread's next block */
+    const int64_t ahead = (PREFETCH_BYTES + rb * K - 1) / (rb * K) * rb * K;
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+        for (int r = 0; r < rb; r++) {
+            __builtin_prefetch((const char*)(w + r * K + k + ahead), 0, 1);
+            const f32x8 w0 = widen_i8(w + r * K + k), w1 = widen_i8(w + r * K + k + 8);
+            for (int c = 0; c < mc; c++) {
+                acc[r][c] += w0 * load_f32x8(xf + c * K + k);
+                acc[r][c] += w1 * load_f32x8(xf + c * K + k + 8);
+            }
+        }
+    }
     for (int r = 0; r < rb; r++) for (int c = 0; c < mc; c++) {
-        float s = 0.f;
-        for (int64_t k = 0; k < K; k++) s += (float)w[r * K + k] * xf[c * K + k];
+        float s = hsum(acc[r][c]);
+        for (int64_t t = k; t < K; t++) s += (float)w[r * K + t] * xf[c * K + t];
         out[r][c] = s;
     }
 }
-static void tile_i4(const float* xf, int64_t K, int mc, const uint32_t* w, const uint16_t* scales, int fp16,
-                    int64_t G, int np, uint16_t tail, const char* end, float* acc) {
+
+/* 8 scales of a panel's group as float32 (bf16: the upper half of a float32). */
+static inline f32x8 scales8(const uint16_t* s, int fp16) {
+    if (fp16) {
+        f32x8 v;
+        for (int i = 0; i < 8; i++) v[i] = scale_f32(s[i], 1);
+        return v;
+    }
+    u16x8 h;
+    memcpy(&h, s, sizeof h);
+    return (f32x8)(__builtin_convertvector(h, u32x8) << 16);
+}
+
+/* int4: acc [np][mc][16] = the sums of np panels' rows against mc input rows, a panel as two halves of
+   8 lanes (a lane is one output row). A nibble becomes q as float32 exactly ((w >> 4s) & 15, converted,
+   minus 8) and is multiplied with x[8b + s] broadcast; within a group the even and odd inputs sum
+   apart and are added at the group's end, times the scales. A short last panel (`tail`) runs one
+   output at a time in the same order. */
+static inline __attribute__((always_inline)) void tile_i4(const float* xf, int64_t K, int mc, const uint32_t* w,
+                                                          const uint16_t* scales, int fp16, int64_t G, int np,
+                                                          uint16_t tail, const char* end, float* acc) {
     (void)end;
-    const int width = tail ? __builtin_popcount(tail) : 16;
-    for (int p = 0; p < np; p++) for (int c = 0; c < mc; c++) for (int n = 0; n < width; n++) {
-        float s = 0.f;
-        for (int64_t g0 = 0; g0 < K; g0 += G) {
-            float part = 0.f;
-            for (int64_t k = g0; k < g0 + G; k++) {
-                const uint32_t word = w[p * 16 * (K / 8) + k / 8 * width + n];
-                part += (float)((int)((word >> (4 * (k % 8))) & 15) - 8) * xf[c * K + k];
+    const int64_t groups = K / G, blocks = G / 8;
+    if (tail) {
+        const int width = __builtin_popcount(tail);
+        for (int c = 0; c < mc; c++) for (int n = 0; n < width; n++) {
+            float total = 0.f;
+            for (int64_t g = 0; g < groups; g++) {
+                float part[2] = {0.f, 0.f};
+                for (int64_t b = g * blocks; b < (g + 1) * blocks; b++) {
+                    const uint32_t word = w[b * width + n];
+                    for (int t = 0; t < 8; t++)
+                        part[t & 1] += (float)((int)((word >> (4 * t)) & 15) - 8) * xf[c * K + b * 8 + t];
+                }
+                total += scale_f32(scales[g * width + n], fp16) * (part[0] + part[1]);
             }
-            s += scale_f32(scales[p * 16 * (K / G) + g0 / G * width + n], fp16) * part;
+            acc[c * 16 + n] = total;
         }
-        acc[(p * mc + c) * 16 + n] = s;
+        return;
+    }
+    const u32x8 low = (u32x8){0} + 15u;
+    const f32x8 eight = (f32x8){0} + 8.f;
+    for (int i = 0; i < np * mc * 16; i++) acc[i] = 0.f;
+    for (int64_t g = 0; g < groups; g++) {
+        f32x8 part[MP4][MC4][2][2];
+        for (int p = 0; p < np; p++) for (int c = 0; c < mc; c++) for (int h = 0; h < 2; h++)
+            part[p][c][h][0] = part[p][c][h][1] = (f32x8){0};
+        for (int64_t b = g * blocks; b < (g + 1) * blocks; b++)
+            for (int p = 0; p < np; p++) {
+                const uint32_t* src = w + p * 16 * (K / 8) + b * 16;
+                __builtin_prefetch((const char*)src + PREFETCH_BYTES, 0, 1);
+                for (int h = 0; h < 2; h++) {
+                    u32x8 raw;
+                    memcpy(&raw, src + h * 8, sizeof raw);
+                    for (int t = 0; t < 8; t++) {
+                        const f32x8 q = __builtin_convertvector((i32x8)((raw >> (4 * t)) & low), f32x8) - eight;
+                        for (int c = 0; c < mc; c++)
+                            part[p][c][h][t & 1] += q * ((f32x8){0} + xf[c * K + b * 8 + t]);
+                    }
+                }
+            }
+        for (int p = 0; p < np; p++)
+            for (int h = 0; h < 2; h++) {
+                const f32x8 sv = scales8(scales + p * 16 * groups + g * 16 + h * 8, fp16);
+                for (int c = 0; c < mc; c++) {
+                    float* a = acc + (p * mc + c) * 16 + h * 8;
+                    f32x8 total;
+                    memcpy(&total, a, sizeof total);
+                    total += sv * (part[p][c][h][0] + part[p][c][h][1]);
+                    memcpy(a, &total, sizeof total);
+                }
+            }
     }
 }
 #endif
@@ -244,8 +365,7 @@ int hybridlm_linear_int4(const uint16_t* x, int64_t M, const uint8_t* q, const u
 #define TILE4(panels, cols) tile_i4(xm, K, cols, w, s, fp16, G, panels, 0, end, acc)
             if (tail) tile_i4(xm, K, mc, w, s, fp16, G, 1, tail, end, acc);
             else if (np == MP4) TILE4(MP4, 1);
-            else switch (mc) { case 1: TILE4(1, 1); break; case 2: TILE4(1, 2); break;
-                               case 3: TILE4(1, 3); break; default: TILE4(1, MC4); }
+            else TILE4_ROWS(mc);
 #undef TILE4
             for (int p = 0; p < np; p++)
                 for (int c = 0; c < mc; c++)
