@@ -1,6 +1,6 @@
 #include "bf16.h"
 #include <math.h>
-#if defined(__AVX512F__)
+#if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 #include <stdint.h>
@@ -8,47 +8,56 @@
 
 #define KB 64  /* keys per block, aligned to absolute positions */
 
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
+/* One vector of VL floats: an AVX-512 register, else 8 (one AVX2 register, two of SSE or NEON), so a
+   tile's accumulators fit the ISA's register file. */
+#if defined(__AVX512F__)
+#define VL 16
+#else
+#define VL 8
+#endif
+typedef float f32xv __attribute__((vector_size(VL * 4)));
+typedef uint16_t u16xv __attribute__((vector_size(VL * 2)));
+typedef uint32_t u32xv __attribute__((vector_size(VL * 4)));
 
-static inline f32x16 load16(const void* p, int bf16) {
-    f32x16 v;
+static inline f32xv loadv(const void* p, int bf16) {
+    f32xv v;
 #if defined(__AVX512F__)
     /* one widening load (GCC splits the generic conversion below into 256-bit halves) */
-    if (bf16) return (f32x16)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(p)), 16);
+    if (bf16) return (f32xv)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(p)), 16);
+#elif defined(__AVX2__)
+    if (bf16) return (f32xv)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(p)), 16);
 #endif
     if (bf16) {
-        u16x16 h; memcpy(&h, p, sizeof h);
-        u32x16 u = __builtin_convertvector(h, u32x16) << 16;
+        u16xv h; memcpy(&h, p, sizeof h);
+        u32xv u = __builtin_convertvector(h, u32xv) << 16;
         memcpy(&v, &u, sizeof v);
     } else memcpy(&v, p, sizeof v);
     return v;
 }
-static inline float hsum(f32x16 v) {
+static inline float hsum(f32xv v) {
     float s = 0.f;
-    for (int i = 0; i < 16; i++) s += v[i];
+    for (int i = 0; i < VL; i++) s += v[i];
     return s;
 }
 #define RG 4  /* query rows (heads of one key/value head at one token) that share each key read */
 #define KG 4  /* keys per scores tile */
-#define YB 4  /* 16-wide slices of each row's output sum carried across keys */
+#define YB 4  /* vector-wide slices of each row's output sum carried across keys */
 
-/* out[r][j] = a[r] . b[j] over D for nr rows, nk keys (a float32, b in the element type): per pair 16
+/* out[r][j] = a[r] . b[j] over D for nr rows, nk keys (a float32, b in the element type): per pair VL
    lanes of multiply-adds in order, their sum in lane order, then the tail. The pairs' dependent
    chains are interleaved so that they overlap, and each key row is widened once for all rows. */
 static inline __attribute__((always_inline)) void score_tile(const float* const* a, int nr,
                                                               const char* const* b, int nk, int64_t D,
                                                               int bf16, float* const* out) {
-    f32x16 acc[RG][KG];
-    for (int r = 0; r < nr; r++) for (int j = 0; j < nk; j++) acc[r][j] = (f32x16){0};
+    f32xv acc[RG][KG];
+    for (int r = 0; r < nr; r++) for (int j = 0; j < nk; j++) acc[r][j] = (f32xv){0};
     int64_t i = 0;
     const size_t es = bf16 ? 2 : 4;
-    for (; i + 16 <= D; i += 16) {
-        f32x16 kv[KG];
-        for (int j = 0; j < nk; j++) kv[j] = load16(b[j] + i * es, bf16);
+    for (; i + VL <= D; i += VL) {
+        f32xv kv[KG];
+        for (int j = 0; j < nk; j++) kv[j] = loadv(b[j] + i * es, bf16);
         for (int r = 0; r < nr; r++) {
-            f32x16 av; memcpy(&av, a[r] + i, sizeof av);
+            f32xv av; memcpy(&av, a[r] + i, sizeof av);
             for (int j = 0; j < nk; j++) acc[r][j] += av * kv[j];
         }
     }
@@ -82,17 +91,17 @@ static void score_rows(const float* const* a, int nr, const char* const* b, int6
 
 /* y[r] += e[r][j] * x[j] for j = 0..n-1 in order, nr (<= RG) rows (x[j]: rows in the element type):
    per element of y one multiply-add per key, in key order. Each element's sum is one dependent chain
-   over the keys, so YB 16-wide slices of every row are carried at once (one slice alone waited out
+   over the keys, so YB vector-wide slices of every row are carried at once (one slice alone waited out
    the multiply-add latency at every key), each value slice widened once for all rows. */
 static inline __attribute__((always_inline)) void pv_tile(float* const* y, int nr, const float* const* e,
                                                            const char* const* x, int64_t n, int64_t i,
                                                            int bf16) {
     const size_t es = bf16 ? 2 : 4;
-    f32x16 yv[RG][YB];
+    f32xv yv[RG][YB];
     for (int r = 0; r < nr; r++) memcpy(yv[r], y[r] + i, sizeof yv[r]);
     for (int64_t j = 0; j < n; j++) {
-        f32x16 xv[YB];
-        for (int c = 0; c < YB; c++) xv[c] = load16(x[j] + (i + 16 * c) * es, bf16);
+        f32xv xv[YB];
+        for (int c = 0; c < YB; c++) xv[c] = loadv(x[j] + (i + VL * c) * es, bf16);
         for (int r = 0; r < nr; r++) {
             const float w = e[r][j];
             for (int c = 0; c < YB; c++) yv[r][c] += w * xv[c];
@@ -104,7 +113,7 @@ static inline __attribute__((always_inline)) void pv_tile(float* const* y, int n
 static void pv_rows(float* const* y, int nr, const float* const* e, const char* const* x, int64_t n,
                     int64_t D, int bf16) {
     int64_t i = 0;
-    for (; i + 16 * YB <= D; i += 16 * YB) {
+    for (; i + VL * YB <= D; i += VL * YB) {
         switch (nr) {
             case 1: pv_tile(y, 1, e, x, n, i, bf16); break;
             case 2: pv_tile(y, 2, e, x, n, i, bf16); break;
@@ -113,12 +122,12 @@ static void pv_rows(float* const* y, int nr, const float* const* e, const char* 
         }
     }
     for (int r = 0; r < nr; r++) {
-        for (int64_t c = i; c + 16 <= D; c += 16) {
-            f32x16 yv; memcpy(&yv, y[r] + c, sizeof yv);
-            for (int64_t j = 0; j < n; j++) yv += e[r][j] * load16(x[j] + c * (bf16 ? 2 : 4), bf16);
+        for (int64_t c = i; c + VL <= D; c += VL) {
+            f32xv yv; memcpy(&yv, y[r] + c, sizeof yv);
+            for (int64_t j = 0; j < n; j++) yv += e[r][j] * loadv(x[j] + c * (bf16 ? 2 : 4), bf16);
             memcpy(y[r] + c, &yv, sizeof yv);
         }
-        for (int64_t c = i + (D - i) / 16 * 16; c < D; c++)
+        for (int64_t c = i + (D - i) / VL * VL; c < D; c++)
             for (int64_t j = 0; j < n; j++) y[r][c] += e[r][j] * load(x[j], c, bf16);
     }
 }
