@@ -17,7 +17,7 @@ from hybridlm.models import CheckpointError, load_model
 from hybridlm.models.quantized import quantize_model, save_quantized
 from hybridlm.ops.native import FEW_TOKENS
 from hybridlm.ops.quant import INT4_KERNEL, INT8_KERNEL, QuantLinear
-from hybridlm.ops.quant_gemm import prompt_rows, prompt_rows_on, vnni
+from hybridlm.ops.quant_gemm import integer_prefill, prompt_rows, prompt_rows_on
 from hybridlm.prefix.cache import PrefixCache
 from hybridlm.speculative import NgramDrafter
 from hybridlm.speculative.draft import DraftModel
@@ -50,7 +50,7 @@ def test_every_linear_is_quantized_and_stays_close_to_bf16(bf16_models, name):
     """Each family quantizes every linear layer (the LM head included); KL to bf16 is small, int8
     far closer than int4, and greedy decoding runs. Measured (96 positions as prefill computes them;
     KL mean, top-1): with bf16 activations int8 6e-5..5e-3, 83-99%, int4 0.009..0.12, 21-59%; with
-    int8 activations (ops.quant_gemm, on a VNNI CPU) int8 8e-5..0.011, 73-99%, int4 unchanged
+    int8 activations (ops.quant_gemm, on an AVX-512 VNNI or AVX2 CPU) int8 8e-5..0.011, 73-99%, int4 unchanged
     within ±0.002: these tiny random models' next-token distributions are nearly flat, so top-1
     flips on small logit changes (printed with -s)."""
     reference = bf16_models(name)
@@ -169,7 +169,7 @@ def test_cli_quantize_writes_a_checkpoint_that_generates_as_quantize_on_load(che
 
 
 @needs_kernels
-@pytest.mark.skipif(not vnni(), reason="integer prefill needs AVX-512 VNNI")
+@pytest.mark.skipif(not integer_prefill(), reason="integer prefill needs AVX-512 VNNI or AVX2")
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_a_short_prompt_suffix_after_a_cached_prefix_takes_the_one_piece_prefill_path(bf16_models, scheme):
     """Inside `prompt_rows` (the engine's prefill) a 5-token suffix after a 30-token prefix runs its

@@ -10,7 +10,17 @@ from hybridlm.ops.native import FEW_TOKENS
 from hybridlm.ops.quant import QuantLinear, from_panels, unpack_int4
 from hybridlm.ops.quant_gemm import int4_prefill, int8_prefill, quantize_activations
 
-needs_vnni = pytest.mark.skipif(not quant_gemm.vnni(), reason="integer prefill needs AVX-512 VNNI")
+needs_integer = pytest.mark.skipif(
+    not quant_gemm.integer_prefill(), reason="integer prefill needs AVX-512 VNNI or AVX2"
+)
+
+
+@pytest.fixture
+def integer_isa(isa):
+    """`isa`, for kernels that exist at that level only where it has integer dot products."""
+    if not quant_gemm.integer_prefill():
+        pytest.skip(f"no integer prefill kernels at {isa}")
+    return isa
 
 
 def _layer(k: int, n: int, scheme: str, bias: bool = True, seed: int = 0) -> QuantLinear:
@@ -36,7 +46,6 @@ def test_quantize_activations_maps_each_block_peak_to_127_and_roundtrips_within_
     assert (err <= xs[..., None] / 2 * (1 + 1e-6)).all()
 
 
-@needs_vnni
 @pytest.mark.parametrize("k, block", [(128, 128), (128, 64), (40, 40), (48, 16)])
 def test_c_activation_quantization_equals_the_torch_definition(k, block, isa):
     x = _x(21, k)
@@ -57,10 +66,9 @@ def _int8_reference64(x, layer):
     return terms.sum(-1) + bias, terms.abs().sum(-1)
 
 
-@needs_vnni
 # whole-row scales (96 is no multiple of ACT_BLOCK), ACT_BLOCK blocks; a short last panel; no bias
 @pytest.mark.parametrize("k, n, bias", [(96, 48, True), (256, 37, True), (256, 32, False)])
-def test_int8_prefill_equals_a_float64_reference_of_the_quantized_math(k, n, bias, isa):
+def test_int8_prefill_equals_a_float64_reference_of_the_quantized_math(k, n, bias, integer_isa):
     layer = _layer(k, n, "int8", bias=bias)
     x = _x(30, k)
     y = int8_prefill(x, layer.qweight, layer.scales, layer.bias).double()
@@ -70,7 +78,7 @@ def test_int8_prefill_equals_a_float64_reference_of_the_quantized_math(k, n, bia
     assert ((y - ref).abs() <= tolerance).all()
 
 
-@needs_vnni
+@needs_integer
 def test_int8_prefill_leaves_inputs_not_a_multiple_of_4_to_the_dequantized_path():
     layer = _layer(42, 20, "int8")
     x = _x(FEW_TOKENS + 3, 42)
@@ -92,10 +100,9 @@ def _int4_reference64(x, layer):
     return terms.sum(-1) + bias, terms.abs().sum(-1)
 
 
-@needs_vnni
 # full panels, a short last one, GPTQ's fp16 scales
 @pytest.mark.parametrize("n, fp16", [(48, False), (37, False), (40, True)])
-def test_int4_prefill_equals_a_float64_reference_of_the_quantized_math(n, fp16, isa):
+def test_int4_prefill_equals_a_float64_reference_of_the_quantized_math(n, fp16, integer_isa):
     layer = _layer(256, n, "int4")
     if fp16:
         layer.scales = layer.scales.to(torch.float16)
@@ -107,9 +114,8 @@ def test_int4_prefill_equals_a_float64_reference_of_the_quantized_math(n, fp16, 
     assert ((y - ref).abs() <= tolerance).all()
 
 
-@needs_vnni
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
-def test_prefill_row_never_depends_on_the_rows_beside_it(scheme, isa):
+def test_prefill_row_never_depends_on_the_rows_beside_it(scheme, integer_isa):
     layer = _layer(128, 45, scheme)
     x = _x(40, 128)
     run = layer._forward_integer
@@ -118,7 +124,7 @@ def test_prefill_row_never_depends_on_the_rows_beside_it(scheme, isa):
     assert torch.equal(parts, whole)
 
 
-@needs_vnni
+@needs_integer
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_quant_linear_prefill_rows_take_the_integer_path(scheme):
     layer = _layer(128, 45, scheme)
@@ -131,7 +137,7 @@ def test_quant_linear_prefill_rows_take_the_integer_path(scheme):
     assert (few - dense[0, :3]).abs().max() < (want[0, :3].float() - dense[0, :3]).abs().max()
 
 
-@needs_vnni
+@needs_integer
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_prompt_rows_take_the_integer_path_however_few(scheme):
     """Inside `prompt_rows` a call of 1 or 5 rows computes them as the one-piece prefill does, bit for

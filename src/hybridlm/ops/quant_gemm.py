@@ -1,8 +1,9 @@
 """Integer prefill for `QuantLinear`: int8 activations × int8 / int4 weights, exact int32 sums.
 
-On a CPU without AMX the bf16 GEMM runs at ≈ 0.2 TFLOP/s while AVX-512 VNNI integer dot products
-(vpdpbusd) run ≈ 1.3 TOP/s, so prefill (more than ``FEW_TOKENS`` rows) quantizes its activations,
-as llama.cpp does for its integer dot products:
+On a CPU without AMX the bf16 GEMM runs at ≈ 0.2 TFLOP/s (AVX-512) or ≈ 0.1 (AVX2) while integer dot
+products run several times faster — AVX-512 VNNI's vpdpbusd ≈ 1.3 TOP/s, AVX2's vpmaddubsw + vpmaddwd
+(what llama.cpp's AVX2 prompts use) — so prefill (more than ``FEW_TOKENS`` rows) quantizes its
+activations, as llama.cpp does for its integer dot products:
 
 - each activation row is quantized symmetrically to int8 per block of inputs — `ACT_BLOCK` against
   int8 weights, the weight group against int4 weights: ``xs = max|x| / 127``, ``xq = round(x / xs)``;
@@ -12,7 +13,8 @@ as llama.cpp does for its integer dot products:
 
 Integer sums do not depend on blocking, so a row's output never depends on the other rows of the
 call (prefill is row independent too). Decode-shaped calls (up to ``FEW_TOKENS`` rows) keep bf16
-activations (``csrc/quant.c``). Elsewhere — CUDA, other dtypes, no VNNI, ``HYBRIDLM_COMPILE=0``,
+activations (``csrc/quant.c``). Elsewhere — CUDA, other dtypes, neither AVX-512 VNNI nor AVX2,
+``HYBRIDLM_COMPILE=0``,
 or ``HYBRIDLM_INT8_PREFILL=0`` (prefill numerics as close to decode's as bf16 allows, at the bf16
 GEMM's speed) — `QuantLinear` keeps its dequantized bf16 path.
 
@@ -33,7 +35,7 @@ from hybridlm.ops.native import NativeKernel, ThreadFlag
 
 __all__ = [
     "int4_prefill", "int8_prefill", "prefill_applies", "prompt_rows", "prompt_rows_on",
-    "quantize_activations", "vnni",
+    "integer_prefill", "quantize_activations",
 ]
 
 # Inputs per activation scale against int8 weights. Measured on the random Qwen3.5-0.8B preset (512
@@ -63,8 +65,8 @@ AVAILABLE = NativeKernel(
 )
 
 
-def vnni() -> bool:
-    """Whether this CPU has AVX-512 VNNI (the int4 kernel built for it), i.e. integer prefill pays."""
+def integer_prefill() -> bool:
+    """Whether the integer prefill kernels are built for this CPU (AVX-512 VNNI or AVX2), i.e. pay."""
     fn = AVAILABLE.get()
     return fn is not None and bool(fn())
 
@@ -86,7 +88,7 @@ def prompt_rows_on() -> bool:
 
 
 def prefill_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """bf16 CPU input, CPU weights, a VNNI CPU, not traced by torch.compile, not turned off by
+    """bf16 CPU input, CPU weights, integer prefill kernels, not traced by torch.compile, not turned off by
     ``HYBRIDLM_INT8_PREFILL=0`` (callers check the row count)."""
     return (
         x.dtype is torch.bfloat16
@@ -94,7 +96,7 @@ def prefill_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and weight.is_cpu
         and not torch.compiler.is_compiling()
         and os.environ.get("HYBRIDLM_INT8_PREFILL", "1") != "0"
-        and vnni()
+        and integer_prefill()
     )
 
 

@@ -235,8 +235,189 @@ int hybridlm_prefill_int8(const int8_t* xq, const float* xs, int64_t M, const in
 }
 
 int64_t hybridlm_prefill_available(void) { return 1; }
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+/* AVX2: the same sums with vpmaddubsw (unsigned bytes × signed bytes, adjacent pairs summed into int16,
+   saturating) and vpmaddwd against ones (pairs of int16 into int32), a lane per output row, 8 rows (half
+   a panel) a vector. int4: nibbles (q + 8 ≤ 15) times activations (|xq| ≤ 127) sum to at most 3810 a pair,
+   so the even and odd products of a block add in int16 before widening. int8: a pair of full bytes could
+   reach 2 · 255 · 127 and saturate, so each product is |q| · (xq with q's sign) (vpsignb), both ≤ 127.
+   The float32 steps after the exact integer sums are the AVX-512 path's, so both give the same bits. */
+#include <immintrin.h>
+#include <omp.h>
+
+#define MT 6 /* input rows a tile multiplies with half a panel: 6 int32 + 6 float32 sums in registers */
+
+/* 8 bf16 / fp16 values (n < 8 of them, zeros beyond) as float32. */
+static inline __m256 widen8(const uint16_t* p, int64_t n, int fp16) {
+    uint16_t buf[8] = {0};
+    memcpy(buf, p, (size_t)(n < 8 ? n : 8) * sizeof(uint16_t));
+    const __m128i v = _mm_loadu_si128((const __m128i*)buf);
+    return fp16 ? _mm256_cvtph_ps(v) : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+}
+
+/* The first n (≤ 8) lanes of v rounded to bf16 (to nearest even, as f32_to_bf16) into y. */
+static inline void store_bf16(uint16_t* y, __m256 v, int64_t n) {
+    float f[8];
+    _mm256_storeu_ps(f, v);
+    for (int64_t i = 0; i < n; i++) y[i] = f32_to_bf16(f[i]);
+}
+
+/* Lanes below `width` of 8 words at w (the rest zero). */
+static inline __m256i load_words(const uint32_t* w, int64_t width) {
+    if (width >= 8) return _mm256_loadu_si256((const __m256i*)w);
+    const __m256i lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)width), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    return _mm256_maskload_epi32((const int*)w, lanes);
+}
+
+/* int4, half a panel: acc[c] (8 outputs, float32) for input rows c < mt; w the panel's words (stride
+   `stride` words a block), `width` lanes valid. */
+static inline __attribute__((always_inline)) void tile(const int8_t* xr, const int32_t* xsum, const float* xs,
+                                                       int64_t K, int64_t G, int mt, const uint32_t* w,
+                                                       int64_t stride, const uint16_t* scales, int64_t sstride,
+                                                       int fp16, int64_t width, __m256 acc[MT]) {
+    const __m256i low = _mm256_set1_epi32(0x0f0f0f0f), ones = _mm256_set1_epi16(1);
+    const int64_t groups = K / G, blocks = G / 8;
+    for (int c = 0; c < mt; c++) acc[c] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        __m256i sum[MT];
+        for (int c = 0; c < mt; c++) sum[c] = _mm256_setzero_si256();
+        for (int64_t b = g * blocks; b < (g + 1) * blocks; b++) {
+            const __m256i raw = load_words(w + b * stride, width);
+            const __m256i even = _mm256_and_si256(raw, low), odd = _mm256_and_si256(_mm256_srli_epi32(raw, 4), low);
+            for (int c = 0; c < mt; c++) {
+                const int32_t* x4 = (const int32_t*)(xr + c * K + b * 8);
+                const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(even, _mm256_set1_epi32(x4[0])),
+                                                   _mm256_maddubs_epi16(odd, _mm256_set1_epi32(x4[1])));
+                sum[c] = _mm256_add_epi32(sum[c], _mm256_madd_epi16(p, ones));
+            }
+        }
+        const __m256 sv = widen8(scales + g * sstride, width, fp16);
+        for (int c = 0; c < mt; c++) {
+            const __m256i exact = _mm256_sub_epi32(sum[c], _mm256_set1_epi32(8 * xsum[c * groups + g]));
+            acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact), _mm256_mul_ps(sv, _mm256_set1_ps(xs[c * groups + g])),
+                                     acc[c]);
+        }
+    }
+}
+
+/* See the AVX-512 hybridlm_prefill_int4. */
+int hybridlm_prefill_int4(const int8_t* xq, const float* xs, int64_t M, const uint8_t* q, const uint16_t* scales,
+                          int fp16, const uint16_t* bias, uint16_t* y, int64_t N, int64_t K, int64_t G,
+                          int nthreads) {
+    const int64_t groups = K / G;
+    int8_t* xr = malloc((size_t)(M * K));
+    int32_t* xsum = malloc((size_t)(M * groups) * sizeof(int32_t));
+    if (!xr || !xsum) { free(xr); free(xsum); return -1; }
+    #pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t m = 0; m < M; m++) {
+        const int8_t* src = xq + m * K;
+        int8_t* dst = xr + m * K;
+        for (int64_t b = 0; b < K / 8; b++)
+            for (int s = 0; s < 4; s++) {
+                dst[8 * b + s] = src[8 * b + 2 * s];
+                dst[8 * b + 4 + s] = src[8 * b + 2 * s + 1];
+            }
+        for (int64_t g = 0; g < groups; g++) {
+            int32_t t = 0;
+            for (int64_t k = g * G; k < (g + 1) * G; k++) t += src[k];
+            xsum[m * groups + g] = t;
+        }
+    }
+    const int64_t halves = (N + 7) / 8;
+    #pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t hp = 0; hp < halves; hp++) {
+        const int64_t n0 = hp / 2 * 16, pw = N - n0 < 16 ? N - n0 : 16, h = hp % 2;
+        const int64_t width = pw - 8 * h;
+        if (width <= 0) continue;
+        const uint32_t* w = (const uint32_t*)(q + n0 * (K / 2)) + 8 * h;
+        const uint16_t* s = scales + n0 * groups + 8 * h;
+        const __m256 bv = bias ? widen8(bias + n0 + 8 * h, width, 0) : _mm256_setzero_ps();
+        for (int64_t m0 = 0; m0 < M; m0 += MT) {
+            const int mt = M - m0 < MT ? (int)(M - m0) : MT;
+            __m256 acc[MT];
+            const int8_t* xm = xr + m0 * K;
+            const int32_t* sm = xsum + m0 * groups;
+            const float* fm = xs + m0 * groups;
+            /* a constant row count per call site, so the tile's loops unroll into registers */
+            if (mt == MT) tile(xm, sm, fm, K, G, MT, w, pw, s, pw, fp16, width, acc);
+            else tile(xm, sm, fm, K, G, mt, w, pw, s, pw, fp16, width, acc);
+            for (int c = 0; c < mt; c++)
+                store_bf16(y + (m0 + c) * N + n0 + 8 * h, _mm256_add_ps(acc[c], bv), width < 8 ? width : 8);
+        }
+    }
+    free(xr);
+    free(xsum);
+    return 0;
+}
+
+/* int8, 8 weight rows: acc[c] (float32, before the weight scales) for input rows c < mt; wp the rows'
+   weights as words (k / 4, n), 8 words a step, and aw their absolute values. */
+static inline __attribute__((always_inline)) void tile8(const int8_t* x, const float* xs, int64_t K, int64_t B,
+                                                        int mt, const uint32_t* wp, const uint32_t* aw,
+                                                        __m256 acc[MT]) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    const int64_t blocks = K / B;
+    for (int c = 0; c < mt; c++) acc[c] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < blocks; g++) {
+        __m256i sum[MT];
+        for (int c = 0; c < mt; c++) sum[c] = _mm256_setzero_si256();
+        for (int64_t k4 = g * B / 4; k4 < (g + 1) * B / 4; k4++) {
+            const __m256i wv = _mm256_load_si256((const __m256i*)(wp + k4 * 8));
+            const __m256i av = _mm256_load_si256((const __m256i*)(aw + k4 * 8));
+            for (int c = 0; c < mt; c++) {
+                const __m256i xv = _mm256_sign_epi8(_mm256_set1_epi32(((const int32_t*)(x + c * K))[k4]), wv);
+                sum[c] = _mm256_add_epi32(sum[c], _mm256_madd_epi16(_mm256_maddubs_epi16(av, xv), ones));
+            }
+        }
+        for (int c = 0; c < mt; c++)
+            acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[c]), _mm256_set1_ps(xs[c * blocks + g]), acc[c]);
+    }
+}
+
+/* See the AVX-512 hybridlm_prefill_int8. */
+int hybridlm_prefill_int8(const int8_t* xq, const float* xs, int64_t M, const int8_t* q, const float* ws,
+                          const uint16_t* bias, uint16_t* y, int64_t N, int64_t K, int64_t B, int nthreads) {
+    const int64_t blocks = K / B, groups8 = (N + 7) / 8, words = K / 4 * 8;
+    uint32_t* packed = aligned_alloc(32, (size_t)(2 * nthreads * words) * sizeof(uint32_t));
+    if (!packed) return -1;
+    #pragma omp parallel num_threads(nthreads)
+    {
+        uint32_t* wp = packed + (int64_t)omp_get_thread_num() * 2 * words;
+        uint32_t* aw = wp + words;
+        #pragma omp for schedule(static)
+        for (int64_t p = 0; p < groups8; p++) {
+            const int64_t n0 = p * 8, width = N - n0 < 8 ? N - n0 : 8;
+            memset(wp, 0, (size_t)(2 * words) * sizeof(uint32_t));
+            for (int64_t i = 0; i < width; i++) {
+                const uint32_t* row = (const uint32_t*)(q + (n0 + i) * K);
+                for (int64_t k4 = 0; k4 < K / 4; k4++) memcpy(wp + k4 * 8 + i, row + k4, 4);
+            }
+            for (int64_t k4 = 0; k4 < K / 4; k4++) {
+                const __m256i v = _mm256_load_si256((const __m256i*)(wp + k4 * 8));
+                _mm256_store_si256((__m256i*)(aw + k4 * 8), _mm256_abs_epi8(v));
+            }
+            float wsb[8] = {0};
+            memcpy(wsb, ws + n0, (size_t)width * sizeof(float));
+            const __m256 wsv = _mm256_loadu_ps(wsb);
+            const __m256 bv = bias ? widen8(bias + n0, width, 0) : _mm256_setzero_ps();
+            for (int64_t m0 = 0; m0 < M; m0 += MT) {
+                const int mt = M - m0 < MT ? (int)(M - m0) : MT;
+                __m256 acc[MT];
+                /* a constant row count per call site, so the tile's loops unroll into registers */
+                if (mt == MT) tile8(xq + m0 * K, xs + m0 * blocks, K, B, MT, wp, aw, acc);
+                else tile8(xq + m0 * K, xs + m0 * blocks, K, B, mt, wp, aw, acc);
+                for (int c = 0; c < mt; c++)
+                    store_bf16(y + (m0 + c) * N + n0, _mm256_fmadd_ps(acc[c], wsv, bv), width);
+            }
+        }
+    }
+    free(packed);
+    return 0;
+}
+
+int64_t hybridlm_prefill_available(void) { return 1; }
 #else
-/* Without AVX-512 VNNI the caller keeps its dequantized bf16 path. */
+/* Without AVX-512 VNNI or AVX2 the caller keeps its dequantized bf16 path. */
 int hybridlm_prefill_int4(const int8_t* xq, const float* xs, int64_t M, const uint8_t* q, const uint16_t* scales,
                           int fp16, const uint16_t* bias, uint16_t* y, int64_t N, int64_t K, int64_t G,
                           int nthreads) {
