@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 
 import torch
 from torch import nn
@@ -11,6 +12,8 @@ from hybridlm.batch import Batch, Packed
 from hybridlm.cache.base import LayerCache
 from hybridlm.models.decode import decode_plan, forget_plan
 from hybridlm.ops.linear import rowwise
+from hybridlm.ops.native import FEW_TOKENS
+from hybridlm.ops.threads import decode_team
 
 
 class Config(dict):
@@ -120,6 +123,12 @@ class CausalLM(nn.Module):
     def head(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(h).float()
 
+    def decode_sized(self, tokens: int) -> bool:
+        """Whether a segment of `tokens` runs on the cores other processes leave idle (`ops.threads`):
+        up to FEW_TOKENS of a bf16 CPU model, whose every product then runs in the row-wise kernels,
+        which give the same bits with any team (float32 linears take MKL, which may not)."""
+        return tokens <= FEW_TOKENS and self.dtype is torch.bfloat16 and self.device.type == "cpu"
+
     def mtp_head(self) -> nn.Module | None:
         """The family's multi-token-prediction head, built without weights (they are the checkpoint's
         `mtp.*` tensors; see `models.mtp`), or None when the family has none."""
@@ -140,9 +149,10 @@ class CausalLM(nn.Module):
             states takes), as (logits, hidden): "all" -> [B, L, d]; "last" -> [B, 1, d] at each row's
             last real token (a family may then skip computing the others).
         """
-        h = self.hidden_states(batch, caches)
-        last = last_rows(batch, h) if "last" in (logits, hidden) else None
-        out = self.head(h) if logits == "all" else self.head(last[:, 0])
+        with decode_team() if self.decode_sized(batch.input_ids.numel()) else nullcontext():
+            h = self.hidden_states(batch, caches)
+            last = last_rows(batch, h) if "last" in (logits, hidden) else None
+            out = self.head(h) if logits == "all" else self.head(last[:, 0])
         if hidden is None:
             return out
         return out, h if hidden == "all" else last
@@ -164,7 +174,8 @@ def forward_packed(
     are those of its own forward, whatever else is packed beside it."""
     packed = Packed(segments)
     per_layer = [list(layer) for layer in zip(*caches, strict=True)]
-    with rowwise():
+    few = all(model.decode_sized(hi - lo) for lo, hi in packed.bounds)
+    with rowwise(), decode_team() if few else nullcontext():
         h = model.hidden_states(packed, per_layer)[0]
         picks = []
         for (lo, hi), which in zip(packed.bounds, rows, strict=True):
