@@ -43,7 +43,11 @@ void hybridlm_quantize_rows(const uint16_t* x, int64_t M, int64_t K, int64_t B, 
             for (; k + 16 <= B; k += 16) vpeak = _mm512_max_ps(vpeak, _mm512_abs_ps(widen(src + k)));
             peak = _mm512_reduce_max_ps(vpeak);
 #endif
-            for (; k < B; k++) peak = fmaxf(peak, fabsf(bf16_to_f32(src[k])));
+            /* a compare, not fmaxf: GCC 12's aarch64 vectorizer crashes on the fmaxf reduction */
+            for (; k < B; k++) {
+                const float v = fabsf(bf16_to_f32(src[k]));
+                peak = v > peak ? v : peak;
+            }
             const float scale = fmaxf(peak / 127.f, FLT_MIN);
             k = 0;
 #ifdef __AVX512F__
