@@ -35,7 +35,7 @@ CONV_PACKED_KERNEL = NativeKernel(
     ctypes.c_int,
     fallback="one call per sequence",
 )
-# Beyond decode and verify lengths oneDNN's convolution is faster (125 tokens: 0.4 ms against 1.2).
+# Most tokens a sequence of a packed call has (decode and verify rows; prefill chunks run alone).
 FUSED_MAX_LEN = FEW_TOKENS
 
 
@@ -114,12 +114,13 @@ def causal_conv1d(
 
 
 def _fused_conv(x, weight, bias, prior, activation, query_lens, splits):
-    """``causal_conv1d`` by the C kernel, or None where it does not apply."""
+    """``causal_conv1d`` by the C kernel (any length: for long inputs it beat oneDNN's bf16 depthwise
+    convolution ~200x without AVX-512, 512 x 6144, K = 4), or None where it does not apply."""
     B, L, C = x.shape
     K = weight.shape[-1]
     dtype = x.dtype
     if not (
-        0 < L <= FUSED_MAX_LEN
+        L > 0
         and K > 1
         and x.is_cpu
         and dtype in (torch.bfloat16, torch.float32)

@@ -8,11 +8,14 @@
 static inline float bf16_to_f32(uint16_t v) {
     uint32_t u = (uint32_t)v << 16; float f; memcpy(&f, &u, 4); return f;
 }
-static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, keep NaN a NaN */
+/* f rounded to bf16 (to nearest even; a NaN stays a NaN), in the upper half of a float32's bits. All
+   32-bit operations and a select, so that loops calling it vectorize. */
+static inline uint32_t bf16_bits(float f) {
     uint32_t u; memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    return (u & 0x7fffffffu) > 0x7f800000u ? (u | 0x00400000u) & 0xffff0000u : rounded;
 }
+static inline uint16_t f32_to_bf16(float f) { return (uint16_t)(bf16_bits(f) >> 16); }
 /* Element i of a bf16 (bf16 != 0) or float32 array, as float32; and back. Always inlined, so that a
    loop calling them with a constant `bf16` is a straight vector loop. */
 static inline __attribute__((always_inline)) float load(const void* p, int64_t i, int bf16) {
@@ -22,7 +25,11 @@ static inline __attribute__((always_inline)) void store(void* p, int64_t i, floa
     if (bf16) ((uint16_t*)p)[i] = f32_to_bf16(v); else ((float*)p)[i] = v;
 }
 /* v rounded as a bf16 tensor op would round its result (identity for float32) */
-static inline float round_to(float v, int bf16) { return bf16 ? bf16_to_f32(f32_to_bf16(v)) : v; }
+static inline float round_to(float v, int bf16) {
+    if (!bf16) return v;
+    const uint32_t u = bf16_bits(v);
+    float r; memcpy(&r, &u, 4); return r;
+}
 /* exp(x) to ~2 ulp (Cephes' expf), without branches or calls so that loops over it vectorize
    (a libm expf per channel was most of the kernel's time). */
 static inline float exp_fast(float x) {

@@ -1,7 +1,14 @@
 /* Few-token inputs (decode, speculative verify) run one C loop instead of a dozen small ATen ops
    (decode) or a oneDNN convolution set up for long inputs (~1.5 ms for 9 tokens x 6144 channels).
+   Long inputs (prefill) run the same arithmetic with the taps transposed to float32 [K, C], so every
+   load of the channel loop is contiguous, rows shared among the threads: oneDNN's bf16 depthwise
+   convolution without AVX-512 took 10x as long (512 x 6144, K = 4, one AVX2 thread).
    It rounds where the torch path does: the sum once to bf16, the activation once more. */
 #include "bf16.h"
+#include <stdlib.h>
+
+/* Rows from which a call takes the transposed path (its copy of the taps then pays for itself). */
+#define LONG_ROWS 32
 
 /* Row r of xp = prior ‖ x of one sequence (r < K-1: prior), as bytes. */
 static inline const char* xp_row(const char* x, const char* prior, int64_t r, int64_t K, int64_t C,
@@ -31,7 +38,37 @@ static inline __attribute__((always_inline)) void conv_row(const char* x, const 
     }
 }
 
+/* conv_row with the taps as float32 wt [K, C] (exact: a bf16 widens to float32 exactly) and the bias
+   as float32 bf [C] (zeros without one: conv_row adds 0 then too), a tap at a time over the channels
+   into acc [C]: the same products summed in the same order, so the same bits. */
+static inline __attribute__((always_inline)) void conv_row_t(const char* x, const char* prior, const float* wt,
+                                                             const float* bf, void* out, int64_t t, int64_t C,
+                                                             int64_t K, int silu, int is_bf16, float* acc) {
+    const size_t es = is_bf16 ? 2 : 4;
+    for (int64_t c = 0; c < C; c++) acc[c] = 0.f;
+    for (int64_t j = 0; j < K; j++) {
+        const char* row = xp_row(x, prior, t + j, K, C, es);
+        const float* w = wt + j * C;
+        for (int64_t c = 0; c < C; c++) acc[c] += w[c] * load(row, c, is_bf16);
+    }
+    if (is_bf16) {
+        uint16_t* o = (uint16_t*)out + t * C;
+        for (int64_t c = 0; c < C; c++) {
+            float y = round_to(acc[c] + bf[c], 1);
+            if (silu) y = y / (1.f + exp_fast(-y));
+            o[c] = (uint16_t)(bf16_bits(y) >> 16);
+        }
+    } else {
+        float* o = (float*)out + t * C;
+        for (int64_t c = 0; c < C; c++) {
+            const float y = acc[c] + bf[c];
+            o[c] = silu ? y / (1.f + exp_fast(-y)) : y;
+        }
+    }
+}
+
 #define CONV_ROW(k) conv_row(x, prior, weight, bias, out, t, C, k, silu, is_bf16)
+
 
 /* One sequence: x [L, C] after prior [K-1, C] -> out [L, C]. Both entry points run exactly
    this, so a sequence's numbers never depend on its batch. */
@@ -63,16 +100,45 @@ static void copy_tails(const char* x, const char* prior, char* tail, void** boun
 /* x [B, L, C], prior [B, K-1, C], weight [C, K], bias [C] or NULL -> out [B, L, C],
    tail [B, K-1, C] after each row's lens[b] (or L) tokens, bounds[i] [B, K-1, C] after
    min(splits[i], lens[b]) tokens. All bf16 when is_bf16, else float32 (conv_rows says how it rounds).
-   Returns 0. */
+   Returns 0, or -1 (out of memory). */
 int hybridlm_conv_short(const void* x, const void* prior, const void* weight, const void* bias,
                         void* out, void* tail, void** bounds, const int64_t* splits, int64_t nsplit,
                         const int64_t* lens, int64_t B, int64_t L, int64_t C, int64_t K, int silu,
                         int is_bf16, int nthreads) {
-    (void)nthreads;
     const size_t es = is_bf16 ? 2 : 4;
-    for (int64_t b = 0; b < B; b++)
-        conv_rows((const char*)x + b * L * C * es, (const char*)prior + b * (K - 1) * C * es, weight, bias,
-                  (char*)out + b * L * C * es, L, C, K, silu, is_bf16);
+    if (L < LONG_ROWS || K > 8) {
+        for (int64_t b = 0; b < B; b++)
+            conv_rows((const char*)x + b * L * C * es, (const char*)prior + b * (K - 1) * C * es, weight, bias,
+                      (char*)out + b * L * C * es, L, C, K, silu, is_bf16);
+    } else {
+        float* wt = malloc((size_t)((K + 1) * C) * sizeof(float));
+        if (!wt) return -1;
+        float* bf = wt + K * C;
+        for (int64_t c = 0; c < C; c++) {
+            for (int64_t j = 0; j < K; j++) wt[j * C + c] = load(weight, c * K + j, is_bf16);
+            bf[c] = bias ? load(bias, c, is_bf16) : 0.f;
+        }
+        #pragma omp parallel num_threads(nthreads)
+        {
+        float* acc = malloc((size_t)C * sizeof(float));
+        #pragma omp for collapse(2) schedule(static)
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t t = 0; t < L; t++) {
+                const char* xb = (const char*)x + b * L * C * es;
+                const char* pb = (const char*)prior + b * (K - 1) * C * es;
+                char* ob = (char*)out + b * L * C * es;
+                /* constant K, activation and type per call site, so the channel loop vectorizes */
+#define ROW_T(k, s, h) conv_row_t(xb, pb, wt, bf, ob, t, C, k, s, h, acc)
+                if (is_bf16 && K == 4) { if (silu) ROW_T(4, 1, 1); else ROW_T(4, 0, 1); }
+                else if (is_bf16) { if (silu) ROW_T(K, 1, 1); else ROW_T(K, 0, 1); }
+                else if (silu) ROW_T(K, 1, 0);
+                else ROW_T(K, 0, 0);
+#undef ROW_T
+            }
+        free(acc);
+        }
+        free(wt);
+    }
     for (int64_t b = 0; b < B; b++)
         copy_tails((const char*)x + b * L * C * es, (const char*)prior + b * (K - 1) * C * es,
                    (char*)tail + b * (K - 1) * C * es, bounds, b * (K - 1) * C * es, splits, nsplit,
