@@ -124,7 +124,7 @@ def test_large_rows_3d_uses_f_linear():
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("lead", [(64,), (2, 40)])
 def test_prefill_rows_multiply_in_float32_where_that_gemm_is_faster(monkeypatch, no_f_linear, bias, lead):
-    monkeypatch.setattr(linear_mod, "float32_gemm_faster", lambda: True)
+    monkeypatch.setattr(linear_mod, "float32_min_rows", lambda: linear_mod.FLOAT32_MIN_ROWS)
     monkeypatch.setattr(linear_mod, "FLOAT32_SLAB_ELEMENTS", 40 * 96)  # 40 weight rows a slab: 4 slabs
     layer = _layer(130, 96, bias, torch.bfloat16)
     x = torch.randn(*lead, 96).to(torch.bfloat16)
@@ -135,36 +135,43 @@ def test_prefill_rows_multiply_in_float32_where_that_gemm_is_faster(monkeypatch,
 
 def test_prefill_rows_keep_the_bf16_gemm_where_it_is_faster_or_rows_are_few(monkeypatch):
     layer = _layer(130, 96, True, torch.bfloat16)
-    monkeypatch.setattr(linear_mod, "float32_gemm_faster", lambda: False)
+    monkeypatch.setattr(linear_mod, "float32_min_rows", lambda: None)
     x = torch.randn(80, 96).to(torch.bfloat16)
     assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
-    monkeypatch.setattr(linear_mod, "float32_gemm_faster", lambda: True)
+    monkeypatch.setattr(linear_mod, "float32_min_rows", lambda: linear_mod.FLOAT32_MIN_ROWS)
     few = x[: linear_mod.FLOAT32_MIN_ROWS - 1]
     assert torch.equal(layer(few), F.linear(few, layer.weight, layer.bias))
 
 
-@pytest.mark.parametrize("slow", ["bf16", "float32"])
-def test_the_gemm_choice_is_the_one_measured_faster(monkeypatch, slow):
+# (bf16 seconds per row, float32 seconds per call + per row) -> rows from which float32 is chosen
+CHOICES = [
+    ((1e-3, 1e-3, 0.0), MAX_FAST_ROWS + 1),  # bf16 emulated (AVX2): float32 from the first GEMM row
+    ((1e-4, 5e-3, 1e-5), linear_mod.FLOAT32_MIN_ROWS),  # vdpbf16ps: the conversion pays from 64 rows
+    ((1e-5, 1e-3, 1e-4), None),  # AMX: never
+]
+
+
+@pytest.mark.parametrize(("costs", "least"), CHOICES)
+def test_the_gemm_choice_is_the_one_measured_faster(monkeypatch, costs, least):
     # A clock that only the two products advance: the choice follows the measured times, whatever
     # else the machine is running (a real sleep lost to a loaded machine's GEMM jitter).
     now = [0.0]
+    bf16_row, fp32_call, fp32_row = costs
 
-    def costing(seconds):
-        def run(*args):
-            now[0] += seconds
-            return None
+    def costing(fixed, per_row):
+        def run(x, *args):
+            now[0] += fixed + per_row * x.shape[0]
 
         return run
 
-    bf16, float32 = (0.02, 0.001) if slow == "bf16" else (0.001, 0.02)
-    monkeypatch.setattr(linear_mod, "F", types.SimpleNamespace(linear=costing(bf16)))
-    monkeypatch.setattr(linear_mod, "_linear_float32", costing(float32))
+    monkeypatch.setattr(linear_mod, "F", types.SimpleNamespace(linear=costing(0.0, bf16_row)))
+    monkeypatch.setattr(linear_mod, "_linear_float32", costing(fp32_call, fp32_row))
     monkeypatch.setattr(linear_mod, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
-    linear_mod.float32_gemm_faster.cache_clear()
+    linear_mod.float32_min_rows.cache_clear()
     try:
-        assert linear_mod.float32_gemm_faster() is (slow == "bf16")
+        assert linear_mod.float32_min_rows() == least
     finally:
-        linear_mod.float32_gemm_faster.cache_clear()
+        linear_mod.float32_min_rows.cache_clear()
 
 
 def test_autograd_uses_f_linear():

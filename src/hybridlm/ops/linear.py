@@ -8,7 +8,7 @@ reaches ~30 GB/s; this kernel moves ~28-29 GB/s (benchmarks/matvec.py). For inpu
 cached on disk) that reads every weight row exactly once for all input rows, accumulates in fp32
 and rounds the result to bf16 once, like ``F.linear``. Prefill-sized bf16 CPU inputs multiply in
 float32 where this CPU's float32 GEMM was measured faster than its bf16 one (see
-``float32_gemm_faster``). Everything else -- CUDA, fp32 weights (MKL's sgemv already runs at memory
+``float32_min_rows``). Everything else -- CUDA, fp32 weights (MKL's sgemv already runs at memory
 speed), autograd, tracing under ``torch.compile`` -- uses ``F.linear`` unchanged.
 
 Set ``HYBRIDLM_COMPILE=0`` to disable the kernel; if it cannot be built (no compiler, build
@@ -180,23 +180,26 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 # Prefill-sized bf16 products on a CPU without bf16 matrix units. oneDNN's bf16 GEMM then runs on
-# vdpbf16ps, which here does half the work a cycle of its float32 GEMM: 512 x 1024 @ 1024 x 6144 took
-# 45 ms in bf16 and 24 ms with both operands converted to float32 (2 threads, AVX-512 with BF16, no
-# AMX). Products of bf16 values are exact in float32 and both accumulate in float32, so only the
-# order of the sums differs. The weight is converted a slab of rows at a time (never a float32 copy
-# of a whole LM head); from FLOAT32_MIN_ROWS rows on the conversion pays for itself (7168 x 1024:
-# 32 rows 3.3 ms in bf16 against 4.9, 64 rows 6.5 against 6.1, 96 rows 9.1 against 8.0). Whether the
-# float32 GEMM is faster at all is measured once (`float32_gemm_faster`): with AMX bf16 wins.
+# vdpbf16ps (AVX512-BF16), which does half the work a cycle of its float32 GEMM: 512 x 1024 @ 1024 x
+# 6144 took 45 ms in bf16 and 24 ms with both operands converted to float32 (2 threads, no AMX); without
+# AVX512-BF16 (AVX2) it emulates bf16 and runs ~50x slower than MKL's float32 GEMM (one Zen 3 thread,
+# 512 x 1024 @ 1024 x 3584: 1.1 against 51 GFLOP/s). Products of bf16 values are exact in float32 and
+# both accumulate in float32, so only the order of the sums differs. The weight is converted a slab of
+# rows at a time (never a float32 copy of a whole LM head). Where the bf16 GEMM has vdpbf16ps the
+# conversion pays from FLOAT32_MIN_ROWS rows on (7168 x 1024: 32 rows 3.3 ms in bf16 against 4.9, 64
+# rows 6.5 against 6.1, 96 rows 9.1 against 8.0); without it, from the first row the kernel does not
+# take. Both are measured once (`float32_min_rows`): with AMX bf16 wins and nothing is converted.
 FLOAT32_MIN_ROWS = 64
 FLOAT32_SLAB_ELEMENTS = 1 << 22
 
 
 @functools.cache
-def float32_gemm_faster() -> bool:
-    """Whether a bf16 product of 256 x 1024 @ 1024 x 2048 runs faster converted to float32 than as
-    oneDNN's bf16 GEMM on this CPU (best of 3 each, measured on first use)."""
-    x = torch.randn(256, 1024).to(torch.bfloat16)
-    w = torch.randn(2048, 1024).to(torch.bfloat16)
+def float32_min_rows() -> int | None:
+    """Fewest rows from which bf16 products multiply in float32 on this CPU (None: never), measured on
+    first use: oneDNN's bf16 GEMM against the float32 path on [rows, 512] @ [512, 1024] (best of 3):
+    faster at 32 rows gives ``FEW_TOKENS + 1`` (every row count the kernel leaves), else faster at 256
+    gives ``FLOAT32_MIN_ROWS``."""
+    w = torch.randn(1024, 512).to(torch.bfloat16)
 
     def best(fn) -> float:
         fn()
@@ -207,22 +210,25 @@ def float32_gemm_faster() -> bool:
             times.append(time.perf_counter() - t0)
         return min(times)
 
-    bf16 = best(lambda: F.linear(x, w))
-    fp32 = best(lambda: _linear_float32(x, w, None))
-    log.debug("prefill GEMM 256 x 1024 x 2048: bf16 %.2f ms, float32 %.2f ms", bf16 * 1e3, fp32 * 1e3)
-    return fp32 < bf16
+    for rows, answer in ((32, FEW_TOKENS + 1), (256, FLOAT32_MIN_ROWS)):
+        x = torch.randn(rows, 512).to(torch.bfloat16)
+        bf16, fp32 = best(lambda: F.linear(x, w)), best(lambda: _linear_float32(x, w, None))  # noqa: B023
+        log.debug("GEMM %d x 512 x 1024: bf16 %.2f ms, float32 %.2f ms", rows, bf16 * 1e3, fp32 * 1e3)
+        if fp32 < bf16:
+            return answer
+    return None
 
 
 def _float32_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """bf16 CPU operands of at least FLOAT32_MIN_ROWS rows, no autograd or tracing, on a CPU where the
-    float32 GEMM was measured faster."""
-    return (
+    """bf16 CPU operands of at least `float32_min_rows()` rows, no autograd or tracing."""
+    if not (
         _bf16_on_cpu(x, weight)
-        and x.numel() >= FLOAT32_MIN_ROWS * weight.shape[-1]
         and (bias is None or bias.dtype is torch.bfloat16)
         and _outside_autograd_and_tracing(x, weight, bias)
-        and float32_gemm_faster()
-    )
+    ):
+        return False
+    least = float32_min_rows()
+    return least is not None and x.numel() >= least * weight.shape[-1]
 
 
 def _linear_float32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
