@@ -63,6 +63,29 @@ void hybridlm_quantize_rows(const uint16_t* x, int64_t M, int64_t K, int64_t B, 
         }
 }
 
+/* For the int4 kernels: each row's activations xq [M, K] reordered per 8-block as inputs 0, 2, 4, 6, then
+   1, 3, 5, 7 (the order of a word's low and high nibbles) into xr, and their sums per group of G into
+   xsum [M, K / G] (the correction for the nibbles' + 8). */
+static __attribute__((unused)) void reorder_activations(const int8_t* xq, int64_t M, int64_t K, int64_t G,
+                                                        int8_t* xr, int32_t* xsum, int nthreads) {
+    const int64_t groups = K / G;
+    #pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t m = 0; m < M; m++) {
+        const int8_t* src = xq + m * K;
+        int8_t* dst = xr + m * K;
+        for (int64_t b = 0; b < K / 8; b++)
+            for (int s = 0; s < 4; s++) {
+                dst[8 * b + s] = src[8 * b + 2 * s];
+                dst[8 * b + 4 + s] = src[8 * b + 2 * s + 1];
+            }
+        for (int64_t g = 0; g < groups; g++) {
+            int32_t t = 0;
+            for (int64_t k = g * G; k < (g + 1) * G; k++) t += src[k];
+            xsum[m * groups + g] = t;
+        }
+    }
+}
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512BF16__)
 #include <omp.h>
 
@@ -115,21 +138,7 @@ int hybridlm_prefill_int4(const int8_t* xq, const float* xs, int64_t M, const ui
     int8_t* xr = malloc((size_t)(M * K));
     int32_t* xsum = malloc((size_t)(M * groups) * sizeof(int32_t));
     if (!xr || !xsum) { free(xr); free(xsum); return -1; }
-    #pragma omp parallel for schedule(static) num_threads(nthreads)
-    for (int64_t m = 0; m < M; m++) {
-        const int8_t* src = xq + m * K;
-        int8_t* dst = xr + m * K;
-        for (int64_t b = 0; b < K / 8; b++)
-            for (int s = 0; s < 4; s++) {
-                dst[8 * b + s] = src[8 * b + 2 * s];
-                dst[8 * b + 4 + s] = src[8 * b + 2 * s + 1];
-            }
-        for (int64_t g = 0; g < groups; g++) {
-            int32_t t = 0;
-            for (int64_t k = g * G; k < (g + 1) * G; k++) t += src[k];
-            xsum[m * groups + g] = t;
-        }
-    }
+    reorder_activations(xq, M, K, G, xr, xsum, nthreads);
     const int64_t panels = (N + 15) / 16;
     #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t p = 0; p < panels; p++) {
@@ -312,21 +321,7 @@ int hybridlm_prefill_int4(const int8_t* xq, const float* xs, int64_t M, const ui
     int8_t* xr = malloc((size_t)(M * K));
     int32_t* xsum = malloc((size_t)(M * groups) * sizeof(int32_t));
     if (!xr || !xsum) { free(xr); free(xsum); return -1; }
-    #pragma omp parallel for schedule(static) num_threads(nthreads)
-    for (int64_t m = 0; m < M; m++) {
-        const int8_t* src = xq + m * K;
-        int8_t* dst = xr + m * K;
-        for (int64_t b = 0; b < K / 8; b++)
-            for (int s = 0; s < 4; s++) {
-                dst[8 * b + s] = src[8 * b + 2 * s];
-                dst[8 * b + 4 + s] = src[8 * b + 2 * s + 1];
-            }
-        for (int64_t g = 0; g < groups; g++) {
-            int32_t t = 0;
-            for (int64_t k = g * G; k < (g + 1) * G; k++) t += src[k];
-            xsum[m * groups + g] = t;
-        }
-    }
+    reorder_activations(xq, M, K, G, xr, xsum, nthreads);
     const int64_t halves = (N + 7) / 8;
     #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t hp = 0; hp < halves; hp++) {
