@@ -34,9 +34,10 @@ import torch
 from hybridlm.batch import Batch
 from hybridlm.cache.base import LayerCache
 from hybridlm.cache.fork import fork_caches
+from hybridlm.engine.errors import EngineClosed, InvalidParameter, PromptTooLong, QueueFull
 from hybridlm.engine.grammar import GrammarCompiler, Matcher
 from hybridlm.engine.memory import CacheCost, HeapTrimmer, available_memory
-from hybridlm.engine.params import EngineClosed, InvalidParameter, PromptTooLong, QueueFull, SamplingParams
+from hybridlm.engine.params import SamplingParams
 from hybridlm.engine.request import (
     CANCELLED,
     ERROR,
