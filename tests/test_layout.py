@@ -1,5 +1,6 @@
-"""The source tree's shape (issue 27): imports between hybridlm's modules form no cycle, and only the
-entry point imports the CLI."""
+"""The source tree's shape (issue 27): imports between hybridlm's modules form no cycle, only the
+entry point imports the CLI, no source file outgrows what a reader holds in their head, and the
+engine and the prefix cache are rooms of a few methods each."""
 
 from __future__ import annotations
 
@@ -100,3 +101,30 @@ def test_the_cycle_finder_finds_a_cycle():
 def test_only_the_entry_point_imports_the_cli():
     upward = sorted(name for name, targets in import_graph().items() if CLI in targets and name not in ENTRY)
     assert upward == []
+
+
+MAX_LINES = 700
+MAX_METHODS = 25
+
+
+def test_no_source_file_outgrows_a_reader():
+    long = {}
+    for path in (SRC / "hybridlm").rglob("*.py"):
+        lines = len(path.read_text().splitlines())
+        if lines > MAX_LINES:
+            long[str(path.relative_to(SRC))] = lines
+    assert long == {}
+
+
+def test_the_engine_and_prefix_cache_are_rooms_of_a_few_methods():
+    """Each class of engine/ and prefix/ (`Engine` and `PrefixCache` are assembled from such rooms)
+    defines at most MAX_METHODS methods."""
+    big = {}
+    for folder in ("engine", "prefix"):
+        for path in (SRC / "hybridlm" / folder).glob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ClassDef):
+                    count = sum(isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) for n in node.body)
+                    if count > MAX_METHODS:
+                        big[f"{folder}/{path.name}:{node.name}"] = count
+    assert big == {}
