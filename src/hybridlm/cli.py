@@ -1,4 +1,7 @@
-"""`hybridlm` command line: serve | chat | generate | demo-model | bench."""
+"""`hybridlm` command line: serve | chat | generate | demo-model | quantize | bench.
+
+Argument parsing and the commands' bodies only: the server's flags come from their declaration in
+`hybridlm.settings` and servers are built there; nothing under src/hybridlm imports this module."""
 
 from __future__ import annotations
 
