@@ -1,6 +1,8 @@
-"""The prefix cache's eviction policy: keeping the RAM budget by compacting scan-input logs to
-checkpoints first, then demoting nodes to the disk tier, and deleting the least valuable leaves last
-(`_enforce`, `_compact`, `_demote`, `_delete`, `_value`), never touching what open sessions read.
+"""The prefix cache's eviction policy: keeping the RAM budget (`_enforce`) with nodes off the live
+paths first, then on them: demoted to the disk tier while it has room, compacted (scan-input logs
+to point checkpoints, `_compact`), demoted displacing colder disk nodes, and deleted last, least
+valuable leaves first (`_delete`, `_value`); keeping the disk budget by deleting its least valuable
+nodes; never touching what an open session reads (`locked`, `_read_sources`).
 
 A part of `PrefixCache` (cache.py).
 """

@@ -1,7 +1,8 @@
 """The prefix cache's walk: matching a prompt against the trie and restoring the live caches to the
 longest stored prefix (`begin`, `_restore_best`, `_plan`, `_execute`), forking a session for the
 n choices of a request (`fork`), and recording what a session computed into the trie when it closes
-(`_close`, `_insert`) or dropping it (`_abandon`).
+(`_close`, `_insert`) or dropping it (`_abandon`). With a shared store, a prefix the trie lacks is
+imported before the match and what a session computed is published after its close.
 
 A part of `PrefixCache` (cache.py), which owns the trie, the slots and the lock.
 """
