@@ -1,10 +1,11 @@
 """The engine's delivery: from logits to what a caller receives. Sampling with the request's
-penalties and grammar (`_adjust`, `_next_token`), recording each emitted token through the stop
-rules and logprobs (`_record`), the last event with its usage and timings (`_finish`), handing
-events to the request's sink (`_deliver`) and a finished request's work to the prefix cache
-(`_end_session`).
+penalties and grammar (`adjust`, `next_token`), recording each emitted token through the stop
+rules and logprobs (`record`), the last event with its usage and timings (`finish`), handing
+events to the request's sink (`deliver`) and a finished request's work to the prefix cache
+(`end_session`).
 
-A part of `Engine` (engine.py).
+The engine (engine.py) holds one as `engine.delivery`; its scheduler and step hand it every token
+they choose and every sequence they end.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from hybridlm.engine.request import (
     Usage,
 )
 from hybridlm.engine.sequence import Running
+from hybridlm.engine.stats import EngineStats
 from hybridlm.ops.sampling import apply_penalties, sample, token_logprobs
 from hybridlm.prefix.session import Session
 
@@ -36,9 +38,14 @@ log = logging.getLogger("hybridlm.engine.engine")
 
 
 class Delivery:
-    """Sampling, stop rules, usage and events of the engine's sequences (a part of `Engine`)."""
+    """Sampling, stop rules, usage and events of the engine's sequences. stats: the engine's counters
+    (updated under their lock); eos_token_ids: the ids that end a request unless it ignores EOS."""
 
-    def _adjust(self, running: Running, logits: torch.Tensor) -> torch.Tensor:
+    def __init__(self, stats: EngineStats, eos_token_ids: frozenset[int]):
+        self.stats = stats
+        self.eos_token_ids = eos_token_ids
+
+    def adjust(self, running: Running, logits: torch.Tensor) -> torch.Tensor:
         """[1, V] raw logits -> the logits the request samples from: penalties applied, ids its
         grammar forbids masked out (a new tensor when anything changes)."""
         params = running.request.params
@@ -56,11 +63,11 @@ class Delivery:
             logits = running.matcher.mask(logits)
         return logits
 
-    def _next_token(self, running: Running) -> Event:
+    def next_token(self, running: Running) -> Event:
         """Sample from `running.logits`, record the token, apply the stop rules; the token enters the
         caches at the next step (so a finished request costs no extra forward)."""
         params = running.request.params
-        logits = self._adjust(running, running.logits)
+        logits = self.adjust(running, running.logits)
         chosen = sample(
             logits,
             temperature=params.temperature,
@@ -70,12 +77,12 @@ class Delivery:
             generator=running.generator,
         )
         token = int(chosen[0])
-        reason, stop_reason, text, logprobs = self._record(running, token, running.logits)
+        reason, stop_reason, text, logprobs = self.record(running, token, running.logits)
         if reason is None:
             return Event((token,), text, logprobs)
-        return self._finish(running, reason, stop_reason, (token,), text, logprobs)
+        return self.finish(running, reason, stop_reason, (token,), text, logprobs)
 
-    def _record(
+    def record(
         self, running: Running, token: int, logits: torch.Tensor
     ) -> tuple[str | None, str | int | None, str, tuple[TokenLogprob, ...]]:
         """Record an emitted token chosen from raw `logits` [1, V] and apply the stop rules: (finish
@@ -127,7 +134,7 @@ class Delivery:
         running.seen = torch.zeros(1, vocab, dtype=torch.bool, device=device)
         running.seen[0, torch.as_tensor(running.request.prompt_ids, device=device)] = True
 
-    def _finish(
+    def finish(
         self,
         running: Running,
         reason: str,
@@ -201,7 +208,7 @@ class Delivery:
         return Event(token_ids, text, logprobs, reason, stop_reason, usage, timings, error)
 
     @staticmethod
-    def _end_session(session: Session, reason: str | None) -> None:
+    def end_session(session: Session, reason: str | None) -> None:
         """Hand a finished request's work to the prefix cache; if that fails (a bug), the cache drops
         the session's state instead and the engine serves on."""
         try:
@@ -215,12 +222,12 @@ class Delivery:
             session.closed = False  # close() marked it closed before failing: abandon must run
             session.abandon()
 
-    def _deliver_rest(self, request: Request, event: Event) -> None:
+    def deliver_rest(self, request: Request, event: Event) -> None:
         """`event` (a last one) as the last event of every choice of `request` still open."""
         for index in sorted(request.open_choices):
-            self._deliver(request, replace(event, index=index))
+            self.deliver(request, replace(event, index=index))
 
-    def _deliver(self, request: Request, event: Event) -> None:
+    def deliver(self, request: Request, event: Event) -> None:
         if event.finished:
             request.open_choices.discard(event.index)
         try:

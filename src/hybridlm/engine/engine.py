@@ -11,11 +11,12 @@ prefills once and forks n sequences. A request's output never depends on what el
 is cut into the chunks it gets alone, and its decode and verify rows go through the per-token
 kernels, which compute each row independently.
 
-The engine is one class built from rooms of one job each, sharing the state `Engine.__init__`
-declares: `scheduler.py` (admission under `max_running` and memory, prefill turns, retirement),
-`step.py` (packing, forwards, speculative verification, commits, forks of n choices), `delivery.py`
-(sampling, stop rules, usage, events, the prefix-cache session's end); `sequence.py` holds the
-per-sequence state. This file holds the public API and the worker loop.
+The engine is built from rooms of one job each: `scheduler.py` (admission under `max_running` and
+memory, prefill turns, retirement) and `step.py` (packing, forwards, speculative verification,
+commits, forks of n choices) are parts of this class, sharing the state `Engine.__init__` declares;
+`delivery.py` (sampling, stop rules, usage, events, the prefix-cache session's end) is an object of
+its own, `engine.delivery`; `sequence.py` holds the per-sequence state. This file holds the public
+API and the worker loop.
 
 Callers talk to the engine through `Request` handles: events arrive through a sink (called on the
 engine thread, so it must be quick); `stream`/`generate` wrap that for blocking code and
@@ -73,7 +74,7 @@ def serial_setup() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-class Engine(Scheduler, Step, Delivery):
+class Engine(Scheduler, Step):
     """Serves generation requests for one model on a dedicated worker thread.
 
     model: a loaded `CausalLM`; tokenizer: its `Tokenizer` (None: token ids only, no text or stop strings).
@@ -155,6 +156,7 @@ class Engine(Scheduler, Step, Delivery):
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids) if tokenizer else frozenset()
         self.grammars = GrammarCompiler(tokenizer, model.vocab_size) if tokenizer else None
         self.stats = EngineStats()
+        self.delivery = Delivery(self.stats, self.eos_token_ids)
         self._queue: deque[Request] = deque()
         self._running: list[Running] = []
         self._wake = threading.Condition()
@@ -321,25 +323,7 @@ class Engine(Scheduler, Step, Delivery):
                 self._running.clear()
             for request in stranded:
                 error = Event(finish_reason=ERROR, error=f"engine failed: {type(e).__name__}")
-                self._deliver_rest(request, error)
-
-    # -- one request's work -----------------------------------------------------------------------
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
+                self.delivery.deliver_rest(request, error)
 
 
 class AsyncStream:

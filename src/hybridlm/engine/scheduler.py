@@ -49,7 +49,7 @@ class Scheduler:
             now = time.perf_counter()
             usage = Usage(len(request.prompt_ids), 0)
             timings = Timings((now - request.arrival) * 1e3, 0.0, None, 0.0, (now - request.arrival) * 1e3)
-            self._deliver_rest(request, Event(finish_reason=CANCELLED, usage=usage, timings=timings))
+            self.delivery.deliver_rest(request, Event(finish_reason=CANCELLED, usage=usage, timings=timings))
             with self.stats.lock:
                 self.stats.finished[CANCELLED] += 1
         return self._running
@@ -130,7 +130,7 @@ class Scheduler:
             waiting = []
             for running in turn:
                 if running.request.cancelled:
-                    out.append((running, self._finish(running, CANCELLED)))
+                    out.append((running, self.delivery.finish(running, CANCELLED)))
                     continue
                 piece = self._guarded(running, self._next_chunk)
                 if isinstance(piece, Event):  # its session could not begin
@@ -169,11 +169,11 @@ class Scheduler:
                 if running.speculation is not None:
                     running.speculation.close()
                 if running.session is not None:
-                    self._end_session(running.session, event.finish_reason)
+                    self.delivery.end_session(running.session, event.finish_reason)
                 if running.forks:  # it ended before its prefill did: so do the choices never forked
-                    self._deliver_rest(running.request, event)
+                    self.delivery.deliver_rest(running.request, event)
                     continue
-            self._deliver(running.request, event)
+            self.delivery.deliver(running.request, event)
 
     def _hand_down_shared(self, running: Running) -> None:
         """The KV rows a finished choice shared with its forks live on while one of them runs: its

@@ -41,7 +41,7 @@ class Step:
         self._step_rows = 0
         for running in batch:
             if running.request.cancelled:
-                out.append((running, self._finish(running, CANCELLED)))
+                out.append((running, self.delivery.finish(running, CANCELLED)))
             elif running.prefill_done is None:
                 prefilling.append(running)
             else:
@@ -57,7 +57,7 @@ class Step:
         self._share.open(decode_seconds if decoding else 0.0, waiting=bool(late))
         out.extend(self._prefill_chunks(prefilling, late))
         for fork in self._forked:  # choices > 0 of a prompt whose prefill just ended: their first token
-            out.append((fork, self._guarded(fork, self._next_token)))
+            out.append((fork, self._guarded(fork, self.delivery.next_token)))
         with self._wake:
             self._running.extend(self._forked)
         self._forked = []
@@ -69,7 +69,7 @@ class Step:
             return work(running, *args)
         except Exception as e:  # a failing request must not take the engine down with it
             log.exception("event=failed request=%d", running.request.id)
-            return self._finish(running, ERROR, error=f"{type(e).__name__}: {e}")
+            return self.delivery.finish(running, ERROR, error=f"{type(e).__name__}: {e}")
 
     def _fork(self, parent: Running) -> None:
         """Start the other choices of `parent`'s request, its prefill having just ended: each continues
@@ -135,7 +135,7 @@ class Step:
                 if p.verify is not None:
                     p.verify.abort()
             error = f"{type(e).__name__}: {e}"
-            return out + [(p.running, self._finish(p.running, ERROR, error=error)) for p in planned]
+            return out + [(p.running, self.delivery.finish(p.running, ERROR, error=error)) for p in planned]
         logits, states = result if hidden else (result, [None] * len(planned))
         for rows, row_logits, row_states in zip(planned, logits, states, strict=True):
             event = self._guarded(rows.running, self._commit, rows, row_logits, row_states)
@@ -204,7 +204,7 @@ class Step:
         token), a speculative round or one decode step."""
         request = running.request
         if request.cancelled:
-            return self._finish(running, CANCELLED)
+            return self.delivery.finish(running, CANCELLED)
         if running.prefill_done is None:
             running.logits = self._prefill(running)
             if running.logits is None:
@@ -215,7 +215,7 @@ class Step:
                 self._fork(running)
         else:
             return self._decode_alone(running)
-        return self._next_token(running)
+        return self.delivery.next_token(running)
 
     def _decode_alone(self, running: Running) -> Event:
         """One decode step of `running` in a forward of its own (the same rows and the same commit
@@ -257,7 +257,7 @@ class Step:
         if params.penalised or running.matcher is not None:
             # Called per position after the tokens before it were emitted: the counts and the
             # grammar state are then those of that position, and a forbidden draft is rejected.
-            adjust = lambda logits: self._adjust(running, logits)
+            adjust = lambda logits: self.delivery.adjust(running, logits)
         return TargetPolicy(
             params.temperature, params.top_k, params.top_p, params.min_p, running.generator, adjust
         )
@@ -291,14 +291,14 @@ class Step:
                 running.session.advance(rows.ids, states if keeps_hidden else None)
             running.logits = logits
             running.position += 1
-            return self._next_token(running)
+            return self.delivery.next_token(running)
         tokens: list[int] = []
         texts: list[str] = []
         logprobs: list[TokenLogprob] = []
         ended: list[tuple[str, str | int | None]] = []
 
         def emit(token: int, logits: torch.Tensor) -> bool:
-            reason, stop_reason, text, lp = self._record(running, token, logits[None])
+            reason, stop_reason, text, lp = self.delivery.record(running, token, logits[None])
             tokens.append(token)
             texts.append(text)
             logprobs.extend(lp)
@@ -312,5 +312,6 @@ class Step:
             running.session.advance(result.committed, result.hidden if keeps_hidden else None)
         if ended:
             reason, stop_reason = ended[0]
-            return self._finish(running, reason, stop_reason, tuple(tokens), "".join(texts), tuple(logprobs))
+            text = "".join(texts)
+            return self.delivery.finish(running, reason, stop_reason, tuple(tokens), text, tuple(logprobs))
         return Event(tuple(tokens), "".join(texts), tuple(logprobs))
