@@ -153,10 +153,10 @@ class Engine(Scheduler, Step):
         self.context_length = context_length or limit or 4096
         if self.context_length < 2:
             raise ValueError(f"context_length must be >= 2, got {self.context_length}")
-        self.eos_token_ids = frozenset(tokenizer.eos_token_ids) if tokenizer else frozenset()
         self.grammars = GrammarCompiler(tokenizer, model.vocab_size) if tokenizer else None
         self.stats = EngineStats()
-        self.delivery = Delivery(self.stats, self.eos_token_ids)
+        eos = frozenset(tokenizer.eos_token_ids) if tokenizer else frozenset()
+        self.delivery = Delivery(self.stats, eos)
         self._queue: deque[Request] = deque()
         self._running: list[Running] = []
         self._wake = threading.Condition()
@@ -251,6 +251,15 @@ class Engine(Scheduler, Step):
         for event in self.stream(prompt_ids, params):
             results[event.index].add(event)
         return results
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """The ids that end a request unless it ignores EOS (the tokenizer's; settable)."""
+        return self.delivery.eos_token_ids
+
+    @eos_token_ids.setter
+    def eos_token_ids(self, ids: frozenset[int]) -> None:
+        self.delivery.eos_token_ids = ids
 
     @property
     def queue_depth(self) -> int:
