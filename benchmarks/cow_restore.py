@@ -33,12 +33,13 @@ from hybridlm.cache import KVCache
 from hybridlm.cache.kv import RowsSnapshot, held_bytes
 from hybridlm.models import load_model
 from hybridlm.ops.attention import attention
-from hybridlm.prefix.cache import PrefixCache, _snap_bytes
+from hybridlm.prefix.cache import PrefixCache
+from hybridlm.prefix.session import snap_bytes
 
 
 def kv_bytes(pc: PrefixCache) -> int:
     """KV bytes the trie's snapshots and every slot's caches hold (each buffer once)."""
-    trie = sum(_snap_bytes(s) for n in pc.trie.nodes() for s in n.snaps if isinstance(s, RowsSnapshot))
+    trie = sum(snap_bytes(s) for n in pc.trie.nodes() for s in n.snaps if isinstance(s, RowsSnapshot))
     return trie + held_bytes([c for slot in pc.slots for c in slot.caches if isinstance(c, KVCache)])
 
 

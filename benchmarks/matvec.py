@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridlm.bench.limits import memory_bandwidth_gbs
-from hybridlm.models.loader import placed
+from hybridlm.models.checkpoint import placed
 from hybridlm.ops.linear import Linear, fast_path_available, linear
 from hybridlm.ops.quant import QuantLinear
 

@@ -1,4 +1,7 @@
-"""`hybridlm` command line: serve | chat | generate | demo-model | bench."""
+"""`hybridlm` command line: serve | chat | generate | demo-model | quantize | bench.
+
+Argument parsing and the commands' bodies only: the server's flags come from their declaration in
+`hybridlm.settings` and servers are built there; nothing under src/hybridlm imports this module."""
 
 from __future__ import annotations
 
@@ -9,97 +12,25 @@ import os
 import sys
 from pathlib import Path
 
-import torch
-
 from hybridlm.models.random import PRESETS
 from hybridlm.ops.quant import QUANTIZATIONS
+from hybridlm.settings import (
+    DTYPES,
+    ENGINE,
+    MODEL,
+    SERVER,
+    Settings,
+    add_flags,
+    limits,
+    load,
+    make_engine,
+    served_name,
+    summary,
+)
+from hybridlm.settings.declared import environment_epilog
+from hybridlm.settings.values import Parser
 
 log = logging.getLogger("hybridlm")
-
-DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
-DEMO_MODEL_NAME = "hybridlm-demo"
-
-ENVIRONMENT = """\
-environment variables (a flag given on the command line wins):
-  HYBRIDLM_MODEL            --model
-  HYBRIDLM_MODEL_NAME       --model-name
-  HYBRIDLM_HOST             --host
-  HYBRIDLM_PORT             --port
-  HYBRIDLM_API_KEY          --api-key
-  HYBRIDLM_PREFILL_CHUNK    --prefill-chunk
-  HYBRIDLM_MAX_QUEUE        --max-queue
-  HYBRIDLM_MAX_RUNNING      --max-running
-  HYBRIDLM_MAX_BATCH_TOKENS --max-batch-tokens
-  HYBRIDLM_PREFILL_SHARE    --prefill-share
-  HYBRIDLM_CONTEXT_LENGTH   --context-length
-  HYBRIDLM_GRACEFUL_TIMEOUT --graceful-timeout
-  HYBRIDLM_MAX_BODY         --max-body
-  HYBRIDLM_READ_TIMEOUT     --read-timeout
-  HYBRIDLM_MAX_CONNECTIONS  --max-connections
-  HYBRIDLM_CACHE_RAM        --cache-ram
-  HYBRIDLM_CACHE_DIR        --cache-dir
-  HYBRIDLM_CACHE_DISK       --cache-disk
-  HYBRIDLM_CACHE_STORE      --cache-store
-  HYBRIDLM_REPLICA          --replica
-  HYBRIDLM_PREFIX_CACHE     set to 0 for --no-prefix-cache
-  HYBRIDLM_SPECULATIVE      --speculative
-  HYBRIDLM_DRAFT_MODEL      --draft-model
-  HYBRIDLM_QUANTIZE         --quantize
-  HYBRIDLM_DRAFT_QUANTIZE   --draft-quantize
-  HYBRIDLM_NUM_DRAFT        --num-draft
-  HYBRIDLM_LOG_LEVEL        log level: DEBUG, INFO, WARNING (default), ERROR
-  HYBRIDLM_DEMO_DIR         where the demo model is written (default ~/.cache/hybridlm/demo-model)
-"""
-
-
-class Parser(argparse.ArgumentParser):
-    """argparse with one-line errors: `hybridlm serve: error: argument --port: ...` (its subcommand
-    parsers are of this class too), not the whole usage block."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
-def _ranged(kind, low=None, high=None, low_open: bool = False, what: str | None = None):
-    """An argparse type: `kind(text)` within [low, high] ((low, high] with `low_open`)."""
-
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not {what or kind.__name__ + ' number'}: {text!r}") from None
-        below = low is not None and (value <= low if low_open else value < low)
-        if below or (high is not None and value > high):
-            bounds = f"{'(' if low_open else '['}{low if low is not None else '-inf'}, "
-            bounds += f"{high if high is not None else 'inf'}]"
-            raise argparse.ArgumentTypeError(f"must be in {bounds}, got {text}")
-        return value
-
-    return parse
-
-
-port = _ranged(int, 1, 65535, what="a port number")
-positive_int = _ranged(int, 1, what="an integer")
-non_negative_int = _ranged(int, 0, what="an integer")
-positive_float = _ranged(float, 0.0, low_open=True, what="a number")
-
-
-def device(text: str) -> str:
-    """A torch device this process can use ('cpu', 'cuda', 'cuda:1', 'mps'...)."""
-    try:
-        dev = torch.device(text)
-    except RuntimeError:
-        raise argparse.ArgumentTypeError(f"not a torch device: {text!r}") from None
-    if dev.type == "cpu":
-        return text
-    backend = getattr(torch, dev.type, None) if dev.type != "mps" else torch.backends.mps
-    if backend is None or not backend.is_available():
-        raise argparse.ArgumentTypeError(f"{dev.type} is not available to this torch build / machine")
-    count = backend.device_count() if hasattr(backend, "device_count") else 1
-    if dev.index is not None and dev.index >= count:
-        raise argparse.ArgumentTypeError(f"{text}: this machine has {count} {dev.type} device(s)")
-    return text
-
 
 def setup_logging() -> None:
     level = os.environ.get("HYBRIDLM_LOG_LEVEL", "WARNING").upper()
@@ -108,334 +39,10 @@ def setup_logging() -> None:
     )
 
 
-def _at_least_one(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _env(name: str, default: str | None = None) -> str | None:
-    # argparse runs `type` on string defaults, so a bad value in the environment is reported like a bad flag.
-    return os.environ.get(name, default)
-
-
-def quantization(text: str) -> str:
-    """A --quantize value (checked here, so a bad HYBRIDLM_QUANTIZE is reported like a bad flag)."""
-    if text not in QUANTIZATIONS:
-        raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from {', '.join(QUANTIZATIONS)})")
-    return text
-
-
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model",
-        default=_env("HYBRIDLM_MODEL"),
-        help="checkpoint directory (config.json, *.safetensors, tokenizer.json); "
-        "default: the embedded demo model [env HYBRIDLM_MODEL]",
-    )
-    p.add_argument(
-        "--dtype", choices=sorted(DTYPES), default=None, help="weight and activation dtype (default bfloat16)"
-    )
-    p.add_argument(
-        "--device", type=device, default=None, help="torch device (default: cuda if available, else cpu)"
-    )
-    p.add_argument(
-        "--quantize",
-        type=quantization,
-        metavar="{" + ",".join(QUANTIZATIONS) + "}",
-        default=_env("HYBRIDLM_QUANTIZE"),
-        help="weight-only quantization of every linear layer on load, LM head included (int8: per "
-        "output channel; int4: groups of 64); a checkpoint written by `hybridlm quantize` loads "
-        "quantized without it [env HYBRIDLM_QUANTIZE]",
-    )
-
-
 def add_bench_args(p: argparse.ArgumentParser) -> None:
     """The options every benchmark takes: its thread count and a JSON copy of its report."""
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     p.add_argument("--json", default=None, help="also write the report as JSON to this file")
-
-
-def byte_size(text: str) -> int:
-    """'4G', '512MiB', '1.5GB', '1000000' -> bytes (binary multiples for K/M/G/T)."""
-    units = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
-    t = text.strip().lower().removesuffix("ib").removesuffix("b")
-    unit = t[-1] if t and t[-1] in units else ""
-    try:
-        value = float(t[: len(t) - len(unit)])
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (e.g. 4G, 512M)") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"byte size must be >= 0: {text!r}")
-    return int(value * units[unit])
-
-
-def store_url(text: str) -> str:
-    """A Valkey / Redis URL: redis[s]:// or valkey[s]://HOST[:PORT][/DB], DB a number."""
-    from urllib.parse import urlsplit
-
-    try:
-        parts = urlsplit(text)
-        parts.port  # noqa: B018 -- raises ValueError for a port that is not a number
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
-    if parts.scheme not in ("redis", "rediss", "valkey", "valkeys") or not parts.hostname:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected redis://HOST:PORT/DB")
-    if parts.path.strip("/") and not parts.path.strip("/").isdigit():
-        raise argparse.ArgumentTypeError(f"{text!r}: the database must be a number")
-    return text
-
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--cache-ram",
-        type=byte_size,
-        default=_env("HYBRIDLM_CACHE_RAM", "4G"),
-        help="byte budget of the prefix cache's snapshots in host memory, e.g. 4G, 512M (default 4G) "
-        "[env HYBRIDLM_CACHE_RAM]",
-    )
-    p.add_argument(
-        "--cache-dir",
-        default=_env("HYBRIDLM_CACHE_DIR"),
-        help="directory for the prefix cache's disk tier (snapshots demoted from RAM, kept across "
-        "restarts of the same model; safetensors files) [env HYBRIDLM_CACHE_DIR]",
-    )
-    p.add_argument(
-        "--cache-disk",
-        type=byte_size,
-        default=_env("HYBRIDLM_CACHE_DISK", "16G"),
-        help="byte budget of --cache-dir (default 16G) [env HYBRIDLM_CACHE_DISK]",
-    )
-    p.add_argument(
-        "--cache-store",
-        type=store_url,
-        default=_env("HYBRIDLM_CACHE_STORE"),
-        help="redis://HOST:PORT/DB of a Valkey / Redis server shared by replicas: prefixes missing here "
-        "are restored from it, and what this server computes is written to it [env HYBRIDLM_CACHE_STORE]",
-    )
-    p.add_argument(
-        "--replica",
-        default=_env("HYBRIDLM_REPLICA", ""),
-        help="this replica's name in --cache-store, published for a prefix-aware router "
-        "(its base URL, e.g. http://10.0.0.5:8000) [env HYBRIDLM_REPLICA]",
-    )
-    p.add_argument(
-        "--no-prefix-cache",
-        action="store_true",
-        default=_env("HYBRIDLM_PREFIX_CACHE", "1") == "0",
-        help="prefill every prompt from scratch (no reuse across requests) [env HYBRIDLM_PREFIX_CACHE=0]",
-    )
-    p.add_argument(
-        "--prefill-chunk",
-        type=positive_int,
-        default=_env("HYBRIDLM_PREFILL_CHUNK", "512"),
-        help="most prompt tokens per forward pass (default 512) [env HYBRIDLM_PREFILL_CHUNK]",
-    )
-    p.add_argument(
-        "--max-running",
-        type=_at_least_one,
-        default=_env("HYBRIDLM_MAX_RUNNING", "8"),
-        help="most requests generating at once, each with caches of its own; decode steps read the "
-        "weights once for all of them (default 8) [env HYBRIDLM_MAX_RUNNING]",
-    )
-    p.add_argument(
-        "--max-batch-tokens",
-        type=_at_least_one,
-        default=_env("HYBRIDLM_MAX_BATCH_TOKENS", "512"),
-        help="tokens per engine step: decode rows first, then prompt chunks while they fit (at least "
-        "one chunk per step), so a long prompt delays running streams by about one budget's worth "
-        "(default 512) [env HYBRIDLM_MAX_BATCH_TOKENS]",
-    )
-    p.add_argument(
-        "--prefill-share",
-        type=positive_float,
-        default=_env("HYBRIDLM_PREFILL_SHARE", "0.5"),
-        help="while requests decode, prompts that arrive later prefill for at most this fraction of "
-        "the decode time (on average), so their time per output token grows at most 1 + this "
-        "factor; the late prompt waits longer for its first token (default 0.5) "
-        "[env HYBRIDLM_PREFILL_SHARE]",
-    )
-    p.add_argument(
-        "--context-length",
-        type=_ranged(int, 2, what="an integer"),
-        default=_env("HYBRIDLM_CONTEXT_LENGTH"),
-        help="most tokens (prompt + output) per request; longer prompts are refused "
-        "(default: the model's max_position_embeddings) [env HYBRIDLM_CONTEXT_LENGTH]",
-    )
-    p.add_argument(
-        "--speculative",
-        choices=["ngram", "draft", "mtp"],
-        default=_env("HYBRIDLM_SPECULATIVE"),
-        help="speculative decoding (greedy output unchanged, sampled output equally distributed): "
-        "'ngram' drafts by prompt lookup in the request's own tokens, 'draft' with --draft-model (a "
-        "Gemma 4 assistant checkpoint drafts from its Gemma 4 model's own keys/values), 'mtp' "
-        "with the checkpoint's own multi-token-prediction head (Qwen3.5, Qwen3-Next: mtp.* tensors); the "
-        "draft length adapts and falls back to plain decoding when drafts do not pay (default: off; "
-        'requests opt out with "speculative": false) [env HYBRIDLM_SPECULATIVE]',
-    )
-    p.add_argument(
-        "--draft-model",
-        default=_env("HYBRIDLM_DRAFT_MODEL"),
-        help="checkpoint directory of a smaller model with the same tokenizer, or of a Gemma 4 assistant "
-        "(model_type gemma4_assistant, for a Gemma 4 model), for --speculative draft "
-        "[env HYBRIDLM_DRAFT_MODEL]",
-    )
-    p.add_argument(
-        "--draft-quantize",
-        choices=QUANTIZATIONS,
-        default=_env("HYBRIDLM_DRAFT_QUANTIZE"),
-        help="quantize the draft model's linear layers on load (weight-only, as --quantize) "
-        "[env HYBRIDLM_DRAFT_QUANTIZE]",
-    )
-    p.add_argument(
-        "--num-draft",
-        type=int,
-        default=_env("HYBRIDLM_NUM_DRAFT", "8"),
-        help="most draft tokens per verify pass (default 8) [env HYBRIDLM_NUM_DRAFT]",
-    )
-
-
-def load(args):
-    """The model behind `--model` (the demo model when absent), with a progress bar on stderr."""
-    from tqdm import tqdm
-
-    from hybridlm import load_model
-    from hybridlm.engine import serial_setup
-
-    bar = tqdm(total=3, desc="loading model", unit="step", file=sys.stderr, disable=None, leave=False)
-    with bar, serial_setup():
-        path = args.model
-        if path is None:
-            from hybridlm.demo import demo_model_dir
-
-            bar.set_postfix_str("demo checkpoint")
-            path = demo_model_dir()
-        bar.update()
-        bar.set_postfix_str("weights")
-        model = load_model(path, dtype=DTYPES.get(args.dtype), device=args.device, quantize=args.quantize)
-        bar.update()
-        bar.set_postfix_str("warm-up")
-        model.warm_up()
-        bar.update()
-    if model.tokenizer is None:
-        raise SystemExit(f"hybridlm: {model.path} has no tokenizer.json")
-    return model
-
-
-def make_speculator(model, args):
-    """The `Speculator` behind --speculative (None when off)."""
-    if args.speculative is None:
-        return None
-    from hybridlm.engine import serial_setup
-    from hybridlm.models.loader import CheckpointError
-    from hybridlm.ops.native import FEW_TOKENS
-    from hybridlm.speculative import MTP, NgramDrafter, Speculator, load_draft
-
-    if not 1 <= args.num_draft <= FEW_TOKENS - 1:
-        # Longer verify passes would leave the per-token CPU kernels, and bf16 greedy output could
-        # then differ from plain decoding.
-        raise SystemExit(f"hybridlm: --num-draft must be in [1, {FEW_TOKENS - 1}], got {args.num_draft}")
-    if args.speculative == "ngram":
-        return Speculator(NgramDrafter, max_depth=args.num_draft)
-    if args.speculative == "mtp":
-        try:
-            with serial_setup():
-                return Speculator(MTP.load(model.path, model.lm), max_depth=args.num_draft)
-        except CheckpointError as e:
-            raise SystemExit(f"hybridlm: --speculative mtp: {e}") from None
-    if args.draft_model is None:
-        raise SystemExit("hybridlm: --speculative draft needs --draft-model DIR")
-    try:
-        dtype = DTYPES.get(args.dtype)
-        with serial_setup():
-            draft = load_draft(args.draft_model, model.lm, dtype=dtype, quantize=args.draft_quantize)
-    except ValueError as e:  # an unloadable checkpoint, or an assistant that does not fit this model
-        raise SystemExit(f"hybridlm: --draft-model {args.draft_model}: {e}") from None
-    mine, theirs = Path(model.path) / "tokenizer.json", Path(args.draft_model) / "tokenizer.json"
-    if theirs.exists() and mine.exists() and theirs.read_bytes() != mine.read_bytes():
-        log.warning(
-            "the draft model's tokenizer.json differs from the model's: drafts may rarely be accepted"
-        )
-    return Speculator(draft, max_depth=args.num_draft)
-
-
-def make_engine(model, args):
-    from hybridlm.engine import Engine, serial_setup
-    from hybridlm.prefix.cache import PrefixCache
-    from hybridlm.prefix.disk import DiskTier, model_fingerprint
-    from hybridlm.speculative import DraftModel
-
-    speculative = make_speculator(model, args)
-    prefix = None
-    if not args.no_prefix_cache:
-        # Whatever it allocates here must not make this thread an OpenMP pool of its own beside the
-        # engine's: every decode step would pay the futex wake-ups `serial_setup` describes.
-        with serial_setup():
-            disk = None
-            if args.cache_dir:
-                try:
-                    disk = DiskTier(args.cache_dir, args.cache_disk, model_fingerprint(model.lm))
-                except OSError as e:  # a file of that name, no permission to create it...
-                    log.warning(
-                        "prefix cache: --cache-dir %s is unusable (%s); no disk tier", args.cache_dir, e
-                    )
-            # A draft model keeps caches of its own: the prefix cache stores them too (an assistant, MTP
-            # heads and n-grams keep none).
-            drafter = speculative.make_drafter if speculative is not None else None
-            draft = drafter.model if isinstance(drafter, DraftModel) else None
-            store = None
-            if getattr(args, "cache_store", None):
-                from hybridlm.prefix.store import StoreTier
-
-                store = StoreTier(args.cache_store, model_fingerprint(model.lm), replica=args.replica)
-            prefix = PrefixCache(model.lm, ram_budget=args.cache_ram, disk=disk, draft=draft, store=store)
-    return Engine(
-        model.lm,
-        model.tokenizer,
-        prefill_chunk=args.prefill_chunk,
-        max_queue=getattr(args, "max_queue", 64),
-        context_length=args.context_length,
-        prefix=prefix,
-        speculative=speculative,
-        max_running=args.max_running,
-        max_batch_tokens=args.max_batch_tokens,
-        prefill_share=args.prefill_share,
-    )
-
-
-def summary(model, engine, args, kernel_fallbacks: list[str]) -> str:
-    """One line saying what was loaded and how it will run."""
-    lm = model.lm
-    params = sum(p.numel() for p in lm.parameters())
-    dtype = str(next(lm.parameters()).dtype).removeprefix("torch.")
-    if os.environ.get("HYBRIDLM_COMPILE", "1") == "0":
-        kernels = "off (HYBRIDLM_COMPILE=0)"
-    elif kernel_fallbacks:
-        kernels = "fell back to torch for " + ", ".join(kernel_fallbacks)
-    else:
-        kernels = "compiled"
-    prefix = engine.prefix
-    if prefix is None:
-        cache = "off"
-    else:
-        cache = f"ram {args.cache_ram / 2**20:.0f} MiB"
-        if prefix.disk is not None:
-            cache += f", disk {args.cache_disk / 2**20:.0f} MiB at {prefix.disk.directory}"
-        if prefix.store is not None:
-            from urllib.parse import urlsplit
-
-            where = urlsplit(prefix.store.url)  # never the password
-            cache += f", shared store {where.hostname}:{where.port or 6379}{where.path or '/0'}"
-    return (
-        f"hybridlm: loaded {lm.config.get('model_type', type(lm).__name__)} from {model.path} "
-        f"({params / 1e6:.1f}M parameters, {dtype}, {lm.device}, {torch.get_num_threads()} threads; "
-        f"kernels {kernels}; prefix cache {cache}; speculative {args.speculative or 'off'}; "
-        f"context {engine.context_length} tokens)"
-    )
 
 
 class _KernelFallbacks(logging.Handler):
@@ -452,28 +59,30 @@ class _KernelFallbacks(logging.Handler):
 
 def cmd_serve(args) -> int:
     from hybridlm.runtime import freeze_loaded_objects
-    from hybridlm.server import Limits, serve
+    from hybridlm.server import serve
     from hybridlm.server.lifecycle import listen
 
+    settings = Settings.of(args)
     try:  # before loading: a port in use fails at once
-        sock = listen(args.host, args.port)
+        sock = listen(settings.host, settings.port)
     except OSError as e:
-        raise SystemExit(f"hybridlm: cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
+        where = f"{settings.host}:{settings.port}"
+        raise SystemExit(f"hybridlm: cannot listen on {where}: {e.strerror or e}") from None
     fallbacks = _KernelFallbacks()
     native_log = logging.getLogger("hybridlm.ops.native")
     native_log.addHandler(fallbacks)
     try:
-        model = load(args)
-        name = args.model_name or (DEMO_MODEL_NAME if args.model is None else model.path.name)
-        engine = make_engine(model, args)
+        model = load(settings)
+        name = served_name(settings, model)
+        engine = make_engine(model, settings)
     finally:
         native_log.removeHandler(fallbacks)
     freeze_loaded_objects()
-    print(summary(model, engine, args, fallbacks.names), file=sys.stderr)
-    auth = " (API key required)" if args.api_key else ""
-    host = f"[{args.host}]" if ":" in args.host else args.host
+    print(summary(model, engine, settings, fallbacks.names), file=sys.stderr)
+    auth = " (API key required)" if settings.api_key else ""
+    host = f"[{settings.host}]" if ":" in settings.host else settings.host
     announce = lambda: print(
-        f"hybridlm: serving {name!r} at http://{host}:{args.port}/v1{auth}; Ctrl-C stops",
+        f"hybridlm: serving {name!r} at http://{host}:{settings.port}/v1{auth}; Ctrl-C stops",
         file=sys.stderr,
         flush=True,
     )
@@ -481,11 +90,9 @@ def cmd_serve(args) -> int:
         engine,
         name,
         sock,
-        api_key=args.api_key or None,
-        graceful_timeout=args.graceful_timeout,
-        limits=Limits(
-            max_body=args.max_body, read_timeout=args.read_timeout, max_connections=args.max_connections
-        ),
+        api_key=settings.api_key or None,
+        graceful_timeout=settings.graceful_timeout,
+        limits=limits(settings),
         announce=announce,
     )
     return 0
@@ -514,7 +121,8 @@ def cmd_chat(args) -> int:
         seed=args.seed,
         max_tokens=args.max_tokens,
     )
-    model = load(args)
+    settings = Settings.of(args)
+    model = load(settings)
     tokenizer = model.tokenizer
     start = [{"role": "system", "content": args.system}] if args.system else []
     template_kwargs = {"enable_thinking": False} if args.no_think else {}
@@ -523,7 +131,7 @@ def cmd_chat(args) -> int:
         "/exit quits, /reset starts over; Ctrl-C stops a reply, Ctrl-C or Ctrl-D at the prompt quits.",
         file=sys.stderr,
     )
-    with make_engine(model, args) as engine:
+    with make_engine(model, settings) as engine:
         while True:
             try:
                 line = input("> ")
@@ -561,7 +169,7 @@ def cmd_generate(args) -> int:
     from hybridlm.models.tokenizer import IncrementalDecoder
 
     sampling_params(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
-    model = load(args)
+    model = load(Settings.of(args))
     text = args.prompt
     if args.chat:
         text = model.tokenizer.apply_chat_template(
@@ -660,7 +268,7 @@ def cmd_bench_grammar(args) -> int:
 def cmd_bench_serve(args) -> int:
     from hybridlm.bench import serve
 
-    return serve.main(args, load(args))
+    return serve.main(args, load(Settings.of(args)))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -678,67 +286,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve the model over HTTP: POST /v1/chat/completions, POST /v1/completions,\n"
         "GET /v1/models (OpenAI-compatible, streaming over SSE), GET /health and GET /metrics\n"
         "(Prometheus). SIGTERM or Ctrl-C shuts down gracefully.",
-        epilog=ENVIRONMENT,
+        epilog=environment_epilog(),
     )
-    add_model_args(s)
-    s.add_argument(
-        "--model-name",
-        default=_env("HYBRIDLM_MODEL_NAME"),
-        help="the model id clients send and /v1/models lists (default: the checkpoint directory's "
-        f"name, {DEMO_MODEL_NAME!r} for the demo model) [env HYBRIDLM_MODEL_NAME]",
-    )
-    s.add_argument(
-        "--host",
-        default=_env("HYBRIDLM_HOST", "127.0.0.1"),
-        help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 exposes the server "
-        "to the network) [env HYBRIDLM_HOST]",
-    )
-    s.add_argument(
-        "--port",
-        type=port,
-        default=_env("HYBRIDLM_PORT", "8000"),
-        help="TCP port (default 8000) [env HYBRIDLM_PORT]",
-    )
-    s.add_argument(
-        "--api-key",
-        default=_env("HYBRIDLM_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on every endpoint but /health (default: no key) "
-        "[env HYBRIDLM_API_KEY]",
-    )
-    add_engine_args(s)
-    s.add_argument(
-        "--max-queue",
-        type=non_negative_int,
-        default=_env("HYBRIDLM_MAX_QUEUE", "64"),
-        help="most requests waiting for the engine; more get HTTP 429 (default 64) [env HYBRIDLM_MAX_QUEUE]",
-    )
-    s.add_argument(
-        "--graceful-timeout",
-        type=_ranged(float, 0.0, what="a number"),
-        default=_env("HYBRIDLM_GRACEFUL_TIMEOUT", "30"),
-        help="seconds running requests may finish after SIGTERM / Ctrl-C before they are cancelled "
-        "(default 30) [env HYBRIDLM_GRACEFUL_TIMEOUT]",
-    )
-    s.add_argument(
-        "--max-body",
-        type=byte_size,
-        default=_env("HYBRIDLM_MAX_BODY", "16M"),
-        help="largest request body; larger ones get HTTP 413 (default 16M) [env HYBRIDLM_MAX_BODY]",
-    )
-    s.add_argument(
-        "--read-timeout",
-        type=positive_float,
-        default=_env("HYBRIDLM_READ_TIMEOUT", "30"),
-        help="seconds a client has to send a request's head, and each part of its body (then the "
-        "connection is closed / HTTP 408) (default 30) [env HYBRIDLM_READ_TIMEOUT]",
-    )
-    s.add_argument(
-        "--max-connections",
-        type=positive_int,
-        default=_env("HYBRIDLM_MAX_CONNECTIONS", "256"),
-        help="open connections beyond which requests get HTTP 503 (default 256) "
-        "[env HYBRIDLM_MAX_CONNECTIONS]",
-    )
+    add_flags(s, (MODEL, SERVER, ENGINE))
     s.set_defaults(func=cmd_serve)
 
     c = sub.add_parser(
@@ -747,8 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Interactive chat in the terminal, streamed, with the model's chat template. "
         "/exit quits, /reset clears the conversation; Ctrl-C stops a reply.",
     )
-    add_model_args(c)
-    add_engine_args(c)
+    add_flags(c, (MODEL, ENGINE))
     c.add_argument("--system", default=None, help="system prompt")
     c.add_argument("--max-tokens", type=int, default=512, help="most tokens per reply (default 512)")
     c.add_argument(
@@ -769,7 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="continue a prompt and print the text",
         description="Continue a prompt with the model and print the continuation as it is generated.",
     )
-    add_model_args(g)
+    add_flags(g, (MODEL,))
     g.add_argument("--prompt", required=True, help="prompt text")
     g.add_argument(
         "--chat", action="store_true", help="wrap the prompt as a user message with the chat template"
@@ -796,7 +345,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Quantize every linear layer of --model by --quantize and write the result as a "
         "checkpoint directory (safetensors; layout in docs/architecture.md) to --out.",
     )
-    add_model_args(q)
+    add_flags(q, (MODEL,))
     q.add_argument("--out", required=True, help="directory to write")
     q.set_defaults(func=cmd_quantize)
 
@@ -818,7 +367,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Prefill (512, 2048 tokens) and decode tokens/s beside the measured memory "
         "bandwidth and matmul rate.",
     )
-    add_model_args(f)
+    add_flags(f, (MODEL,))
     f.add_argument(
         "--preset",
         choices=["qwen3.5-0.8b"],
@@ -856,7 +405,7 @@ def build_parser() -> argparse.ArgumentParser:
         "quantizations (--quantize picks one) and report KL(bf16 || quantized) of the next-token "
         "distributions and top-1 agreement over every position.",
     )
-    add_model_args(ql)
+    add_flags(ql, (MODEL,))
     ql.add_argument(
         "--preset",
         choices=sorted(PRESETS),
@@ -876,8 +425,7 @@ def build_parser() -> argparse.ArgumentParser:
         "requests through HTTP with the same requests on the engine alone: time to "
         "first token, decode tokens/s and the HTTP overhead.",
     )
-    add_model_args(v)
-    add_engine_args(v)
+    add_flags(v, (MODEL, ENGINE))
     v.add_argument("--prompt-tokens", type=int, default=512, help="prompt length in tokens (default 512)")
     v.add_argument("--max-tokens", type=int, default=128, help="tokens generated per request (default 128)")
     v.add_argument("--repeats", type=int, default=5, help="requests per side, alternating (default 5)")
@@ -892,11 +440,11 @@ def build_parser() -> argparse.ArgumentParser:
         "p50/p95, prefix reuse, peak memory; with --long-prompt, also the running streams' time per "
         "output token when one client sends a long prompt mid-run.",
     )
-    add_model_args(cc)
+    add_flags(cc, (MODEL,))
     cc.add_argument(
         "--preset", choices=["qwen3.5-0.8b"], default=None, help="random checkpoint of this shape"
     )
-    add_engine_args(cc)
+    add_flags(cc, (ENGINE,))
     cc.add_argument(
         "--clients", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="client counts (default 1 2 4 8 16)"
     )
@@ -925,7 +473,7 @@ def build_parser() -> argparse.ArgumentParser:
         "cache: prefilled tokens vs the oracle minimum, time to first token of cached and uncached "
         "turns, bytes held; once with an unbounded budget and once with a quarter of the working set.",
     )
-    add_model_args(m)
+    add_flags(m, (MODEL,))
     m.add_argument("--preset", choices=["qwen3.5-0.8b"], default=None, help="random checkpoint of this shape")
     m.add_argument("--conversations", type=int, default=4, help="interleaved conversations (default 4)")
     m.add_argument("--turns", type=int, default=5, help="turns per conversation (default 5)")
@@ -987,7 +535,7 @@ def build_parser() -> argparse.ArgumentParser:
         "caches back to its end (copies) and to the worst mid-range point (recurrent layers replay up "
         "to cadence-1 tokens), per layer kind, beside each kind's share of recomputing the prefix.",
     )
-    add_model_args(r)
+    add_flags(r, (MODEL,))
     r.add_argument(
         "--preset",
         nargs="+",
@@ -1010,7 +558,7 @@ def build_parser() -> argparse.ArgumentParser:
         "speedup, acceptance rate per draft position, tokens committed per verify pass and verify cost by "
         "draft length.",
     )
-    add_model_args(sp)
+    add_flags(sp, (MODEL,))
     sp.add_argument(
         "--preset", choices=["qwen3.5-0.8b"], default=None, help="random checkpoint of this shape"
     )
@@ -1039,7 +587,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     setup_logging()
     args = build_parser().parse_args(argv)
-    from hybridlm.models.loader import CheckpointError
+    from hybridlm.models.checkpoint import CheckpointError
     from hybridlm.runtime import keep_freed_memory
 
     keep_freed_memory()

@@ -1,7 +1,7 @@
 """A local deployment: N hybridlm replicas as a Ray Serve application behind the prefix-aware router
 (`ray_serve`), sharing one Valkey / Redis store, all on this machine — how `hybridlm bench cluster`
 and the cluster tests run it. On a real cluster the store runs on its own host and Ray places the
-replicas on the cluster's nodes (see README, "Replicas").
+replicas on the cluster's nodes (see docs/replicas.md).
 
 `ray_cluster()` starts Ray and Serve's HTTP proxy once; `Deployment`s are applications on it (each
 under its own route prefix), so a test or the benchmark can run several routing modes side by side

@@ -230,17 +230,17 @@ class HybridReplica:
     def __init__(self, spec: RayCluster) -> None:
         import torch
 
-        from hybridlm.cli import build_parser, load, make_engine
         from hybridlm.server.app import create_app
+        from hybridlm.settings import Settings, load, make_engine
 
         torch.set_num_threads(spec.threads)
         self.me = serve.get_replica_context().replica_id.unique_id
-        args = ["serve", "--model", spec.model]
+        flags = ["--model", spec.model]
         if spec.store_url:
-            args += ["--cache-store", spec.store_url, "--replica", self.me]
-        args = build_parser().parse_args([*args, *spec.serve_args])
-        self.engine = make_engine(load(args), args)
-        self.app = create_app(self.engine, args.model_name or "hybridlm")
+            flags += ["--cache-store", spec.store_url, "--replica", self.me]
+        settings = Settings.parse([*flags, *spec.serve_args])
+        self.engine = make_engine(load(settings), settings)
+        self.app = create_app(self.engine, settings.model_name or "hybridlm")
         self.tasks: set[asyncio.Task] = set()
 
     async def __call__(self, path: str, raw: bytes):

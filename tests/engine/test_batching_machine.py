@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, rule
 
-import hybridlm.engine.engine as engine_module
+import hybridlm.engine.step as engine_module
 from hybridlm.cache import KVCache
 from hybridlm.engine import Completion, Engine, SamplingParams
 from hybridlm.prefix.cache import CapturePlan, PrefixCache, common_prefix

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import hybridlm
-import hybridlm.engine.engine as engine_module
+import hybridlm.engine.step as engine_module
 from hybridlm.cache import KVCache
 from hybridlm.cache.kv import held_bytes
 from hybridlm.engine import Engine, InvalidParameter, SamplingParams

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-import hybridlm.engine.engine as engine_module
+import hybridlm.engine.step as engine_module
 from hybridlm.engine import Engine, SamplingParams
 from hybridlm.models import load_model
 from hybridlm.speculative import NgramDrafter, Speculator

@@ -9,7 +9,8 @@ from collections import Counter
 from hybridlm.cache import KVCache
 from hybridlm.cache.kv import RowsSnapshot, held_bytes
 from hybridlm.engine import Engine, SamplingParams
-from hybridlm.prefix.cache import PrefixCache, Session, _snap_bytes, common_prefix
+from hybridlm.prefix.cache import PrefixCache, Session, common_prefix
+from hybridlm.prefix.session import snap_bytes as _snap_bytes
 
 
 def test_concurrent_requests_restoring_one_prefix_hold_it_once(model, chat_ids, monkeypatch):

@@ -7,8 +7,9 @@ from torch import nn
 
 from hybridlm.batch import Batch
 from hybridlm.models import load_model
+from hybridlm.models.checkpoint import read_json
 from hybridlm.models.fused import fuse_projections, unfused_modules, unfused_state
-from hybridlm.models.loader import family_for, load_weights, read_json
+from hybridlm.models.loader import family_for, load_weights
 from hybridlm.models.quantized import quantize_model
 from hybridlm.ops.linear import FusedLinear, rowwise
 from hybridlm.ops.quant import QuantLinear

@@ -13,7 +13,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from hybridlm.batch import Batch
 from hybridlm.models import load_model
-from hybridlm.prefix.cache import CapturePlan, PrefixCache, Session, budgeted, common_prefix
+from hybridlm.prefix.cache import CapturePlan, PrefixCache, Session, common_prefix
+from hybridlm.prefix.session import budgeted
 from hybridlm.prefix.trie import Trie
 
 KINDS = ["qwen3_5_text", "lfm2", "gemma3_text", "gemma4_text", "dense_llama"]

@@ -97,7 +97,7 @@ def test_capture_costs_bound_every_capture(checkpoints):
     """The measured per-layer cost bounds what real captures of any span count, for every cache kind."""
     from hybridlm.batch import Batch
     from hybridlm.models import load_model
-    from hybridlm.prefix.cache import _snap_bytes
+    from hybridlm.prefix.session import snap_bytes as _snap_bytes
 
     for name in ["qwen3_5_text", "lfm2", "gemma3_text", "gemma4_text"]:
         model = load_model(checkpoints(name).path, dtype=torch.float32, device="cpu")

@@ -10,7 +10,7 @@ import types
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import hybridlm.prefix.cache as cache_mod
+import hybridlm.prefix.eviction as cache_mod
 from hybridlm.prefix.cache import PrefixCache
 from hybridlm.prefix.trie import Node, Trie
 

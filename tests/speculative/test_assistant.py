@@ -303,15 +303,15 @@ def test_server_reports_the_assistants_speculation(pairs):
 
 
 def test_cli_serves_with_an_assistant_and_refuses_one_that_does_not_fit(pairs, checkpoints, tmp_path):
-    from hybridlm.cli import build_parser, make_speculator
+    from hybridlm.settings import Settings, make_speculator
 
     p = pairs()
     path = str(p.path)
-    flags = ["serve", "--speculative", "draft", "--draft-model", path]
-    args = build_parser().parse_args(flags)
+    flags = ["--speculative", "draft", "--draft-model", path]
+    args = Settings.parse(flags)
     served = SimpleNamespace(lm=p.target, path=tmp_path)
     assert isinstance(make_speculator(served, args).make_drafter(), AssistantDrafter)
-    int8 = build_parser().parse_args([*flags, "--draft-quantize", "int8"])
+    int8 = Settings.parse([*flags, "--draft-quantize", "int8"])
     assert make_speculator(served, int8).make_drafter().model.lm_head.qweight.dtype == torch.int8
 
     demo = hybridlm.load_model(write_demo_model(tmp_path / "demo"), dtype=torch.float32)

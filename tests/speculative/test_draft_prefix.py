@@ -115,9 +115,9 @@ def test_budget_counts_draft_snapshots_and_gives_the_target_first_claim(models):
 
 
 def test_cli_gives_the_prefix_cache_a_draft_companion_only_for_a_draft_model(demo_model):
-    from hybridlm.cli import build_parser, make_engine
+    from hybridlm.settings import Settings, make_engine
 
-    parse = lambda *flags: build_parser().parse_args(["serve", *flags])
+    parse = lambda *flags: Settings.parse(flags)
     flags = ("--speculative", "draft", "--draft-model", str(demo_model.path))
     with make_engine(demo_model, parse(*flags)) as engine:
         assert engine.prefix.draft.model is engine.speculative.make_drafter.model

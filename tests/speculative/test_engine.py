@@ -126,9 +126,9 @@ def test_server_reports_usage_metrics_and_honours_opt_out(demo):
 
 
 def test_cli_builds_the_speculator(demo):
-    from hybridlm.cli import build_parser, make_speculator
+    from hybridlm.settings import Settings, make_speculator
 
-    parse = lambda *flags: build_parser().parse_args(["serve", *flags])
+    parse = lambda *flags: Settings.parse(flags)
     assert make_speculator(demo, parse()) is None
     ngram = make_speculator(demo, parse("--speculative", "ngram", "--num-draft", "5"))
     assert ngram.controller.max_depth == 5 and isinstance(ngram.make_drafter(), NgramDrafter)

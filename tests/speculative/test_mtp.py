@@ -22,7 +22,7 @@ from hybridlm.batch import Batch
 from hybridlm.demo import write_demo_model
 from hybridlm.engine import Engine, SamplingParams
 from hybridlm.models import load_model
-from hybridlm.models.loader import CheckpointError
+from hybridlm.models.checkpoint import CheckpointError
 from hybridlm.prefix.cache import PrefixCache
 from hybridlm.speculative import MTP, MTPDrafter, TargetPolicy
 from tests.oracles.common import Checkpoint
@@ -286,9 +286,9 @@ def test_missing_heads_are_refused_clearly(checkpoints, models, demo_mtp, tmp_pa
     with pytest.raises(CheckpointError, match="'lfm2' has no multi-token-prediction head"):
         MTP.load(lfm2.path, models("lfm2"))
 
-    from hybridlm.cli import build_parser, make_speculator
+    from hybridlm.settings import Settings, make_speculator
 
-    args = build_parser().parse_args(["serve", "--speculative", "mtp", "--num-draft", "3"])
+    args = Settings.parse(["--speculative", "mtp", "--num-draft", "3"])
     speculator = make_speculator(demo_mtp, args)
     assert speculator.controller.max_depth == 3 and isinstance(speculator.make_drafter(), MTPDrafter)
     no_head = write_demo_model(tmp_path / "no-head")

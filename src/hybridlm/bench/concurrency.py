@@ -27,11 +27,11 @@ import torch
 
 from hybridlm.api import Model
 from hybridlm.bench.serve import MODEL_NAME, start_server
-from hybridlm.cli import make_engine
 from hybridlm.engine import serial_setup
 from hybridlm.models.base import CausalLM
 from hybridlm.models.tokenizer import Tokenizer
 from hybridlm.runtime import freeze_loaded_objects
+from hybridlm.settings import Settings, make_engine
 
 
 def id_tokenizer(vocab: int) -> Tokenizer:
@@ -131,7 +131,7 @@ def speculation_counts(engine) -> dict[str, int] | None:
 def main(args, model) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
-    engine = make_engine(model, args)
+    engine = make_engine(model, Settings.of(args))
     freeze_loaded_objects()  # as `hybridlm serve` does
     port, stop_server = start_server(engine)
     client = subprocess.Popen(

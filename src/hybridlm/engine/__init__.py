@@ -1,7 +1,8 @@
 """Requests, scheduling, prefill / decode, stop rules, streaming and cancellation (DESIGN.md §3.6)."""
 
 from hybridlm.engine.engine import AsyncStream, Engine, serial_setup
-from hybridlm.engine.params import EngineClosed, InvalidParameter, PromptTooLong, QueueFull, SamplingParams
+from hybridlm.engine.errors import EngineClosed, InvalidParameter, PromptTooLong, QueueFull
+from hybridlm.engine.params import SamplingParams
 from hybridlm.engine.request import Completion, Event, Request, Timings, TokenLogprob, Usage
 
 __all__ = [

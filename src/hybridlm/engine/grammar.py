@@ -24,7 +24,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from hybridlm.engine.params import InvalidParameter
+from hybridlm.engine.errors import InvalidParameter
 from hybridlm.models.tokenizer import Tokenizer
 
 GrammarKind = Literal["json_schema", "lark"]

@@ -1,4 +1,4 @@
-"""What a request asks of the engine: `SamplingParams`, and the errors a bad request raises."""
+"""What a request asks of the engine: `SamplingParams`, checked on construction (`errors`)."""
 
 from __future__ import annotations
 
@@ -6,32 +6,13 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from hybridlm.engine.errors import InvalidParameter
+
 if TYPE_CHECKING:
     from hybridlm.engine.grammar import Grammar
 
 MAX_LOGPROBS = 20  # OpenAI's limit for top_logprobs
 _SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed accepts
-
-
-class InvalidParameter(ValueError):
-    """A request parameter with a value the engine cannot serve; `param` names it (OpenAI's `param`) and
-    the message starts with that name."""
-
-    def __init__(self, param: str, message: str):
-        super().__init__(message)
-        self.param = param
-
-
-class PromptTooLong(InvalidParameter):
-    """The prompt leaves no room to generate within the context length."""
-
-
-class QueueFull(RuntimeError):
-    """The engine's waiting queue is at its bound; the caller should retry later."""
-
-
-class EngineClosed(RuntimeError):
-    """The engine no longer accepts requests (shutting down)."""
 
 
 def _number(name: str, value, low: float, high: float, *, low_open: bool = False) -> None:

@@ -9,6 +9,7 @@ from hybridlm.models import (
     qwen3_next,  # noqa: F401 - registers its model types
 )
 from hybridlm.models.base import FAMILIES, CausalLM, Config
-from hybridlm.models.loader import CheckpointError, load_model
+from hybridlm.models.checkpoint import CheckpointError
+from hybridlm.models.loader import load_model
 
 __all__ = ["FAMILIES", "CausalLM", "CheckpointError", "Config", "load_model"]

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybridlm.models.loader import placed
+from hybridlm.models.checkpoint import placed
 from hybridlm.ops.linear import FusedLinear, Linear
 from hybridlm.ops.quant import QuantLinear
 

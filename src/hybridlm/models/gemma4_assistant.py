@@ -24,6 +24,7 @@ from torch import nn
 from hybridlm.batch import Batch
 from hybridlm.cache import AttentionHistory
 from hybridlm.models.base import Config
+from hybridlm.models.checkpoint import CheckpointError, read_json
 from hybridlm.models.gemma4 import (
     ASSISTANT_EXTRA_ROWS,
     REUSE,
@@ -33,7 +34,7 @@ from hybridlm.models.gemma4 import (
     remap_text,
     with_defaults,
 )
-from hybridlm.models.loader import CheckpointError, load_weights, read_json
+from hybridlm.models.loader import load_weights
 from hybridlm.ops.linear import Linear
 
 # Gemma4AssistantConfig defaults

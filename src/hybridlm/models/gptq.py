@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from hybridlm.models.base import CausalLM
-from hybridlm.models.loader import (
+from hybridlm.models.checkpoint import (
     CheckpointError,
     default_device,
     read_tensors,

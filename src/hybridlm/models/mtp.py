@@ -18,8 +18,8 @@ from torch import nn
 
 from hybridlm.batch import Batch
 from hybridlm.cache.kv import KVCache
+from hybridlm.models.checkpoint import CheckpointError, check_tensors, read_tensors, weight_files
 from hybridlm.models.fused import fuse_projections
-from hybridlm.models.loader import CheckpointError, check_tensors, read_tensors, weight_files
 from hybridlm.ops.linear import Linear
 
 # Config fields naming the number of MTP layers: Qwen3.5, Qwen3-Next.

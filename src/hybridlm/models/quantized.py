@@ -44,8 +44,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from hybridlm.models.base import CausalLM
-from hybridlm.models.fused import unfused_state
-from hybridlm.models.loader import (
+from hybridlm.models.checkpoint import (
     CheckpointError,
     check_tensors,
     default_device,
@@ -54,6 +53,7 @@ from hybridlm.models.loader import (
     read_tensors,
     weight_files,
 )
+from hybridlm.models.fused import unfused_state
 from hybridlm.ops.quant import INT4_GROUP, QUANTIZATIONS, QuantLinear, quantize_
 
 __all__ = ["QUANT_METHOD", "is_quantized", "load_quantized", "quantize_model", "save_quantized"]

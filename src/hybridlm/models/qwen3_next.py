@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from hybridlm.models.base import Config, register
+from hybridlm.models.checkpoint import CheckpointError
 from hybridlm.models.layers import ACTIVATIONS, GatedMLP
-from hybridlm.models.loader import CheckpointError
 from hybridlm.models.qwen3_5 import Qwen3_5, layer_types
 from hybridlm.ops.elementwise import elementwise_rows
 from hybridlm.ops.linear import Linear, linear

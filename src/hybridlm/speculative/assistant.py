@@ -23,9 +23,9 @@ import torch
 
 from hybridlm.cache.base import LayerCache
 from hybridlm.models.base import CausalLM
+from hybridlm.models.checkpoint import read_json
 from hybridlm.models.gemma4 import Gemma4
 from hybridlm.models.gemma4_assistant import Gemma4Assistant, load_assistant, target_kv
-from hybridlm.models.loader import read_json
 from hybridlm.ops.quant import QUANTIZATIONS, quantize_
 from hybridlm.speculative.base import Draft, TargetCacheDrafter, TargetPolicy, draw
 

@@ -29,7 +29,7 @@ from hybridlm.speculative.base import Draft, Drafter, TargetPolicy, draw
 from hybridlm.speculative.verify import commit_caches
 
 if TYPE_CHECKING:
-    from hybridlm.prefix.cache import Session
+    from hybridlm.prefix.session import Session
     from hybridlm.speculative.assistant import Assistant
 
 

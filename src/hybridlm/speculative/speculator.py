@@ -18,7 +18,7 @@ from hybridlm.speculative.mtp import MTPDrafter
 from hybridlm.speculative.verify import Emit, VerifyResult, VerifyRows
 
 if TYPE_CHECKING:
-    from hybridlm.prefix.cache import Session
+    from hybridlm.prefix.session import Session
 
 
 @dataclass
