@@ -33,7 +33,14 @@ from hybridlm.prefix.store import common_length
 log = logging.getLogger(__name__)
 
 # The generation routes the frontend forwards (the replica's own app answers them).
-ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/messages", "/api/chat", "/api/generate")
+ROUTES = (
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/responses",
+    "/v1/messages",
+    "/api/chat",
+    "/api/generate",
+)
 POLICIES = ("prefix", "round_robin")
 RECENT = 256  # answered requests the router remembers (prompt tokens, replica)
 RECENT_S = 30.0  # ... for this long: a store write lands within a second unless it failed
