@@ -1,12 +1,13 @@
 """The real agent programs, headless, against a real `hybridlm serve` on the demo model: Codex CLI
-(`codex exec`, Responses API), Claude Code (`claude -p`, Messages API) and the OpenAI Agents SDK
-(Responses and chat completions models).
+(`codex exec`, Responses API), Claude Code (`claude -p`, Messages API), opencode (`opencode run`,
+chat completions) and the OpenAI Agents SDK (Responses and chat completions models).
 
-The npm programs are installed once into `.agent-clients/` at the repository root (git-ignored; a
+The npm programs are installed once into `.agent-clients/npm/` at the repository root (git-ignored; a
 rerun reuses it). Where one cannot be installed or started here, its test skips saying why. The demo
 model has random weights: Codex is given an output schema, and the Agents SDK a required tool call
 whose result ends the run, so that constrained decoding makes the answer end and the call valid;
-Claude Code asks for no such thing, so its replies end at the output cap it is given.
+Claude Code and opencode ask for no such thing, so their replies end at the output cap they are
+given.
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ from tests.server.conftest import API_KEY, MODEL, ServerProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 CLIENTS = ROOT / ".agent-clients"
-PACKAGES = {"@openai/codex": "0.171.0", "@anthropic-ai/claude-code": "2.1.332"}
-BINARIES = {"codex": "@openai/codex", "claude": "@anthropic-ai/claude-code"}
+NPM = CLIENTS / "npm"  # beside opencode's cache (below), which must not sit inside an npm project
+PACKAGES = {"@openai/codex": "0.171.0", "@anthropic-ai/claude-code": "2.1.332", "opencode-ai": "1.18.33"}
+BINARIES = {"codex": "@openai/codex", "claude": "@anthropic-ai/claude-code", "opencode": "opencode-ai"}
 ANSWER = {
     "type": "object",
     "properties": {"answer": {"type": "string", "maxLength": 8}},
@@ -37,27 +39,27 @@ ANSWER = {
 
 
 def _installed(package: str) -> str | None:
-    manifest = CLIENTS / "node_modules" / package / "package.json"
+    manifest = NPM / "node_modules" / package / "package.json"
     return json.loads(manifest.read_text())["version"] if manifest.exists() else None
 
 
 @pytest.fixture(scope="session")
 def npm_clients() -> Path:
-    """The `.bin` folder holding `codex` and `claude`, installed at the pinned versions."""
+    """The `.bin` folder holding `codex`, `claude` and `opencode`, installed at the pinned versions."""
     npm = shutil.which("npm")
     if npm is None:
         pytest.skip("npm is not on PATH: Codex CLI and Claude Code are npm packages")
     if any(_installed(p) != v for p, v in PACKAGES.items()):
         specs = [f"{p}@{v}" for p, v in PACKAGES.items()]
         done = subprocess.run(
-            [npm, "install", "--prefix", str(CLIENTS), "--no-audit", "--no-fund", *specs],
+            [npm, "install", "--prefix", str(NPM), "--no-audit", "--no-fund", *specs],
             capture_output=True,
             text=True,
             timeout=900,
         )
         if done.returncode != 0:
             pytest.skip(f"npm install {' '.join(specs)} failed here: {done.stderr[-1500:]}")
-    return CLIENTS / "node_modules" / ".bin"
+    return NPM / "node_modules" / ".bin"
 
 
 def program(npm_clients: Path, name: str) -> str:
@@ -199,3 +201,39 @@ def test_agents_sdk_agent_calls_its_required_tool_and_finishes(server, api):
     result = agents.Runner.run_sync(agent, "Weather in Oslo?", max_turns=2)
     assert asked and set(asked) <= {"oslo", "rome"}
     assert result.final_output == "sunny"
+
+
+def test_opencode_run_answers_through_chat_completions(npm_clients, server, tmp_path):
+    opencode = program(npm_clients, "opencode")
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    provider = {
+        "npm": "@ai-sdk/openai-compatible",
+        "name": "hybridlm",
+        "options": {"baseURL": server.url + "/v1", "apiKey": API_KEY},
+        # The random model never ends a reply by itself: a small cap keeps it short.
+        "models": {MODEL: {"name": MODEL, "limit": {"context": 65536, "output": 32}}},
+    }
+    config = {"provider": {"hybridlm": provider}, "model": f"hybridlm/{MODEL}"}
+    (work / "opencode.json").write_text(json.dumps(config))
+    env = {
+        **os.environ,
+        "HOME": str(home),
+        "OPENCODE_CONFIG": str(work / "opencode.json"),
+        # opencode installs the provider package from npm on first use: kept with the programs.
+        "XDG_CACHE_HOME": str(CLIENTS / "cache"),
+        "OPENCODE_DISABLE_MODELS_FETCH": "1",
+    }
+    done = subprocess.run(
+        [opencode, "run", "Say hi.", "-m", f"hybridlm/{MODEL}", "--print-logs"],
+        cwd=work,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0 and done.stdout.strip(), done.stdout[-3000:] + done.stderr[-3000:]
+    seen = statuses(server, "/v1/chat/completions")
+    assert seen.get(200, 0) >= 1 and set(seen) == {200}, seen
