@@ -73,6 +73,12 @@ def request_tokens(tokenizer, path: str, raw: bytes) -> list[int] | None:
             from hybridlm.server.protocol import ChatCompletionRequest, chat_prompt
 
             return chat_prompt(tokenizer, ChatCompletionRequest.model_validate(body))[1]
+        if path == "/v1/responses":
+            from hybridlm.server.responses import ResponsesRequest, prepare
+
+            request = ResponsesRequest.model_validate(body)
+            # A stored conversation is the replica's that answered it: its prompt is unknown here.
+            return None if request.previous_response_id else prepare(tokenizer, request, []).ids
         if path != "/v1/completions":
             return None
         prompt = body.get("prompt")

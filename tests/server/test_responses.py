@@ -15,9 +15,12 @@ import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from openai.types.responses import Response, ResponseOutputItem, ResponseStreamEvent
+from pydantic import TypeAdapter
 
-from hybridlm.server.chat import plan_chat
-from hybridlm.server.responses import ResponseStore, input_messages, seal
+from hybridlm.server.chat import Part, plan_chat
+from hybridlm.server.responses import Output, ResponseStore, input_messages, seal
+from hybridlm.server.tools import ToolCall
 from tests.server.conftest import API_KEY, CONTEXT, MODEL
 from tests.server.test_agent_api import PERSON, WEATHER_PARAMS, unique
 
@@ -406,3 +409,53 @@ def server(demo_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+def test_reasoning_text_and_calls_stream_in_openais_order_and_shapes():
+    """Every event and item validates against the `openai` package's own types (the client itself
+    parses leniently); output items re-sent as input are the assistant turn they were read from."""
+    output = Output()
+    call = ToolCall("get_time", '{"zone": "utc"}')
+    parts = [
+        Part("reasoning", "I "),
+        Part("reasoning", "think"),
+        Part("content", "Hi"),
+        Part("tool_call", call=call),
+    ]
+    events = [e for part in parts for e in output.add(part)] + output.finish("completed")
+    assert [e["type"].removeprefix("response.") for e in events] == [
+        *("output_item.added", "content_part.added", "reasoning_text.delta", "reasoning_text.delta"),
+        *("reasoning_text.done", "content_part.done", "output_item.done"),
+        *("output_item.added", "content_part.added", "output_text.delta", "output_text.done"),
+        *("content_part.done", "output_item.done"),
+        *(
+            "output_item.added",
+            "function_call_arguments.delta",
+            "function_call_arguments.done",
+            "output_item.done",
+        ),
+    ]
+    assert [e["output_index"] for e in events] == [0] * 7 + [1] * 6 + [2] * 4
+    stream_event = TypeAdapter(ResponseStreamEvent)
+    for number, event in enumerate(events):
+        stream_event.validate_python({**event, "sequence_number": number})
+    for item in output.items:
+        TypeAdapter(ResponseOutputItem).validate_python(item)
+    assert output.reasoning == "I think"
+    function = {"name": "get_time", "arguments": call.arguments}
+    assert input_messages(output.items) == [
+        {
+            "role": "assistant",
+            "content": "Hi",
+            "reasoning_content": "I think",
+            "tool_calls": [{"id": call.id, "type": "function", "function": function}],
+        }
+    ]
+
+
+def test_whole_responses_validate_against_openais_types(client):
+    raw = client.responses.with_raw_response.create(
+        model=MODEL, input=unique("Weather?"), tools=[WEATHER], tool_choice="required", max_output_tokens=80
+    )
+    response = Response.model_validate(raw.http_response.json())
+    assert response.status == "completed" and response.output[-1].type == "function_call"

@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from hybridlm.engine import InvalidParameter, SamplingParams, Usage
 from hybridlm.engine.request import CANCELLED, ERROR, LENGTH
+from hybridlm.models.tokenizer import Tokenizer
 from hybridlm.server.chat import ChatPlan, Part, effort_kwargs, plan_and_encode, tool_result_text
 from hybridlm.server.context import ServerContext
 from hybridlm.server.protocol import APIError, documented, request_body
@@ -218,7 +219,7 @@ class Prepared:
     history: list[dict[str, Any]]  # the conversation without instructions (what the store keeps)
 
 
-def prepare(ctx: ServerContext, body: ResponsesRequest, earlier: list[dict[str, Any]]) -> Prepared:
+def prepare(tokenizer: Tokenizer, body: ResponsesRequest, earlier: list[dict[str, Any]]) -> Prepared:
     """Render the request after the stored conversation `earlier`. APIError 400 naming the field.
     Blocking: handlers run it off the event loop."""
     renames = {"messages": "input", "response_format": "text"}
@@ -232,7 +233,7 @@ def prepare(ctx: ServerContext, body: ResponsesRequest, earlier: list[dict[str, 
             raise InvalidParameter("input", "input: there is nothing to answer (no input, no instructions)")
         effort = body.reasoning.get("effort") if body.reasoning else None
         plan, ids = plan_and_encode(
-            ctx.tokenizer,
+            tokenizer,
             system + history,
             chat_tools(body.tools),
             chat_tool_choice(body.tool_choice),
@@ -425,7 +426,8 @@ def usage_body(usage: Usage | None, reasoning_tokens: int) -> dict[str, Any] | N
         return None
     return {
         "input_tokens": usage.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": usage.cached_tokens},
+        # cache_write_tokens: 0, as /v1/messages reports cache_creation_input_tokens (writes are free).
+        "input_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_write_tokens": 0},
         "output_tokens": usage.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": min(reasoning_tokens, usage.completion_tokens)},
         "total_tokens": usage.total_tokens,
@@ -579,7 +581,7 @@ def register(app: FastAPI, ctx: ServerContext, store: ResponseStore | None = Non
             if previous is None:
                 raise not_found(body.previous_response_id, "previous_response_id")
             earlier = previous.history
-        prepared = await ctx.offload(prepare, ctx, body, earlier)
+        prepared = await ctx.offload(prepare, ctx.tokenizer, body, earlier)
         try:
             stream = await ctx.submit(prepared.ids, prepared.plan.params(sampling), "input")
         except APIError as e:
