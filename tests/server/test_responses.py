@@ -8,6 +8,7 @@ agent-facing additions: `reasoning_effort` on chat completions and vLLM's `/toke
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import jsonschema
@@ -459,3 +460,33 @@ def test_whole_responses_validate_against_openais_types(client):
     )
     response = Response.model_validate(raw.http_response.json())
     assert response.status == "completed" and response.output[-1].type == "function_call"
+
+
+def test_a_disconnect_cancels_the_response(server, auth):
+    """Streamed or not, a client that goes away cancels its request (as on every endpoint)."""
+    body = {
+        "model": MODEL,
+        "input": unique("Write a lot")[0]["content"],
+        "max_output_tokens": 3000,
+        "temperature": 0,
+    }
+    before = server.metrics(auth)
+    with (
+        httpx.Client(timeout=30) as http,
+        http.stream("POST", server.url + "/v1/responses", json={**body, "stream": True}, headers=auth) as r,
+    ):
+        lines = r.iter_lines()
+        while "response.output_text.delta" not in next(lines):
+            pass
+    try:
+        httpx.post(server.url + "/v1/responses", json=body, headers=auth, timeout=0.5)
+        raise AssertionError("3000 tokens cannot be ready in 0.5 s")
+    except httpx.ReadTimeout:
+        pass
+    deadline = time.monotonic() + 10
+    while (after := server.metrics(auth))["hybridlm_requests_running"]:
+        assert time.monotonic() < deadline, after
+        time.sleep(0.01)
+    cancelled = 'hybridlm_requests_finished_total{reason="cancelled"}'
+    assert after[cancelled] == before.get(cancelled, 0) + 2
+    assert after["hybridlm_generation_tokens_total"] - before["hybridlm_generation_tokens_total"] < 1000
