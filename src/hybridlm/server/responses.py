@@ -587,6 +587,8 @@ def register(app: FastAPI, ctx: ServerContext, store: ResponseStore | None = Non
         except APIError as e:
             if e.param == "response_format":  # the grammar of text.format, named as chat completions name it
                 e.param, e.message = "text", e.message.replace("response_format", "text", 1)
+            if e.status == 429:  # the code OpenAI's Responses clients know (the queue is full)
+                e.code = "rate_limit_exceeded"
             raise
         response = skeleton(body)
         if body.stream:
