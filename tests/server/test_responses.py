@@ -490,3 +490,31 @@ def test_a_disconnect_cancels_the_response(server, auth):
     cancelled = 'hybridlm_requests_finished_total{reason="cancelled"}'
     assert after[cancelled] == before.get(cancelled, 0) + 2
     assert after["hybridlm_generation_tokens_total"] - before["hybridlm_generation_tokens_total"] < 1000
+
+
+def test_call_items_become_one_assistant_turn_and_tool_messages():
+    call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": '{"a": 1}'}
+    parts = [{"type": "input_text", "text": "sun"}, {"type": "input_text", "text": "ny"}]
+    items = [
+        {"role": "developer", "content": "Rules."},
+        {"role": "user", "content": [{"type": "input_text", "text": "Go"}]},
+        call,
+        {**call, "call_id": "c2"},
+        {"type": "function_call_output", "call_id": "c1", "output": parts},
+        {"type": "function_call_output", "call_id": "c2", "output": {"ok": True}},
+    ]
+    function = {"name": "f", "arguments": '{"a": 1}'}
+    assert input_messages(items) == [
+        {"role": "system", "content": "Rules."},
+        {"role": "user", "content": "Go"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": function},
+                {"id": "c2", "type": "function", "function": function},
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+        {"role": "tool", "tool_call_id": "c2", "content": '{"ok": true}'},
+    ]

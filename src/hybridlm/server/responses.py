@@ -86,22 +86,20 @@ class ResponsesRequest(BaseModel):
 # -- input items -> chat messages ------------------------------------------------------------------
 
 
-def _parts_text(content: Any, where: str) -> str:
+def _parts_text(content: Any, param: str, where: str) -> str:
     """A message's content (a string or text parts) as one string."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise InvalidParameter("input", f"{where}.content must be a string or a list of content parts")
+        raise InvalidParameter(param, f"{where}.content must be a string or a list of content parts")
     out = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in TEXT_PARTS:
-            raise InvalidParameter(
-                "input", f"{where}.content[{j}]: content parts of type {kind!r} unsupported"
-            )
+            raise InvalidParameter(param, f"{where}.content[{j}]: content parts of type {kind!r} unsupported")
         text = part.get("refusal" if kind == "refusal" else "text")
         if not isinstance(text, str):
-            raise InvalidParameter("input", f"{where}.content[{j}] needs its text")
+            raise InvalidParameter(param, f"{where}.content[{j}] needs its text")
         out.append(text)
     return "".join(out)
 
@@ -150,7 +148,7 @@ def input_messages(items: str | list[dict[str, Any]] | None, param: str = "input
                 raise InvalidParameter(
                     param, f'{where}.role must be "user", "assistant", "system" or "developer"'
                 )
-            text = _parts_text(item.get("content"), where)
+            text = _parts_text(item.get("content"), param, where)
             if role == "assistant":
                 turn = _assistant(out, ("content", "tool_calls"))
                 turn["content"] = text
@@ -166,6 +164,10 @@ def input_messages(items: str | list[dict[str, Any]] | None, param: str = "input
             call_id, output = item.get("call_id"), item.get("output")
             if not isinstance(call_id, str) or output is None:
                 raise InvalidParameter(param, f"{where}: a function_call_output needs call_id and output")
+            if isinstance(output, list) and all(
+                isinstance(p, dict) and p.get("type") in TEXT_PARTS for p in output
+            ):
+                output = _parts_text(output, param, where)
             out.append({"role": "tool", "tool_call_id": call_id, "content": tool_result_text(output)})
         elif kind == "reasoning":
             thought = _reasoning_text(item)
