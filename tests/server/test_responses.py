@@ -20,7 +20,7 @@ from openai.types.responses import Response, ResponseOutputItem, ResponseStreamE
 from pydantic import TypeAdapter
 
 from hybridlm.server.chat import Part, plan_chat
-from hybridlm.server.responses import Output, ResponseStore, input_messages, seal
+from hybridlm.server.responses import Output, ResponsesRequest, ResponseStore, input_messages, prepare, seal
 from hybridlm.server.tools import ToolCall
 from tests.server.conftest import API_KEY, CONTEXT, MODEL
 from tests.server.test_agent_api import PERSON, WEATHER_PARAMS, unique
@@ -518,3 +518,20 @@ def test_call_items_become_one_assistant_turn_and_tool_messages():
         {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
         {"role": "tool", "tool_call_id": "c2", "content": '{"ok": true}'},
     ]
+
+
+def test_leading_system_turns_render_as_one_system_prompt(tokenizer):
+    """Instructions and Codex's two developer messages: one system prompt, as templates that
+    refuse a later system turn need (a system item after the conversation began stays a turn)."""
+    items = [
+        {"role": "developer", "content": "Sandbox."},
+        {"role": "user", "content": "Go"},
+        {"role": "developer", "content": "Later."},
+    ]
+    body = ResponsesRequest(
+        instructions="Agent.", input=[{"role": "developer", "content": "Skills."}, *items]
+    )
+    prepared = prepare(tokenizer, body, [])
+    chat = [{"role": "system", "content": "Agent.\n\nSkills.\n\nSandbox."}, *input_messages(items)[1:]]
+    assert prepared.plan.prompt == plan_chat(tokenizer, chat).prompt
+    assert prepared.history[0] == {"role": "system", "content": "Skills."}  # stored as sent

@@ -214,6 +214,17 @@ def response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     return {"type": "json_schema", "json_schema": {"name": fmt.get("name"), "schema": fmt.get("schema")}}
 
 
+def one_system_prompt(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The leading system turns (instructions, then developer and system items: Codex sends two
+    developer messages) as one system prompt, their texts a blank line apart: many chat templates
+    refuse a system turn anywhere but first."""
+    lead = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
+    if lead < 2:
+        return messages
+    joined = "\n\n".join(m["content"] for m in messages[:lead])
+    return [{"role": "system", "content": joined}, *messages[lead:]]
+
+
 @dataclass
 class Prepared:
     plan: ChatPlan
@@ -236,7 +247,7 @@ def prepare(tokenizer: Tokenizer, body: ResponsesRequest, earlier: list[dict[str
         effort = body.reasoning.get("effort") if body.reasoning else None
         plan, ids = plan_and_encode(
             tokenizer,
-            system + history,
+            one_system_prompt(system + history),
             chat_tools(body.tools),
             chat_tool_choice(body.tool_choice),
             body.parallel_tool_calls,
