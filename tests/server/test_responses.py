@@ -22,7 +22,7 @@ from pydantic import TypeAdapter
 from hybridlm.server.chat import Part, plan_chat
 from hybridlm.server.responses import Output, ResponsesRequest, ResponseStore, input_messages, prepare, seal
 from hybridlm.server.tools import ToolCall
-from tests.server.conftest import API_KEY, CONTEXT, MODEL
+from tests.server.conftest import API_KEY, CONTEXT, MODEL, ServerProcess
 from tests.server.test_agent_api import PERSON, WEATHER_PARAMS, unique
 
 WEATHER = {"type": "function", "name": "get_weather", "parameters": WEATHER_PARAMS, "strict": True}
@@ -395,8 +395,6 @@ def test_fuzzed_bodies_get_no_server_error_and_errors_in_openais_shape(server, a
 def server(demo_dir, tmp_path_factory):
     """A server of this module's own, in float32 (a request served from the cache picks the tokens
     a fresh one does)."""
-    from tests.server.conftest import ServerProcess
-
     args = ["--model", str(demo_dir), "--model-name", MODEL, "--api-key", API_KEY, "--dtype", "float32"]
     process = ServerProcess(
         [*args, "--context-length", str(CONTEXT)],
@@ -535,3 +533,24 @@ def test_leading_system_turns_render_as_one_system_prompt(tokenizer):
     chat = [{"role": "system", "content": "Agent.\n\nSkills.\n\nSandbox."}, *input_messages(items)[1:]]
     assert prepared.plan.prompt == plan_chat(tokenizer, chat).prompt
     assert prepared.history[0] == {"role": "system", "content": "Skills."}  # stored as sent
+
+
+def test_stored_responses_outlive_a_restart_over_the_same_cache_dir(demo_dir, tmp_path):
+    args = ["--model", str(demo_dir), "--model-name", MODEL, "--cache-dir", str(tmp_path / "cache")]
+    first = ServerProcess(args, {}, tmp_path / "first.log").ready()
+    try:
+        client = openai.OpenAI(base_url=first.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        kept = client.responses.create(model=MODEL, input="Remember me", max_output_tokens=4, temperature=0)
+    finally:
+        assert first.stop() == 0, first.log.read_text()
+    second = ServerProcess(args, {}, tmp_path / "second.log").ready()
+    try:
+        client = openai.OpenAI(base_url=second.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        assert client.responses.retrieve(kept.id).output_text == kept.output_text
+        follow = client.responses.create(
+            model=MODEL, previous_response_id=kept.id, input="And now?", max_output_tokens=2
+        )
+        # The conversation came back from the store, its prompt from the prefix cache's disk tier.
+        assert follow.usage.input_tokens_details.cached_tokens >= kept.usage.input_tokens
+    finally:
+        assert second.stop() == 0, second.log.read_text()

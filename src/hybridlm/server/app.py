@@ -303,7 +303,7 @@ def create_app(
     context = ServerContext(engine, tokenizer, model_name, parse, submit, collect, offload)
     anthropic.register(app, context)
     ollama.register(app, context)
-    responses.register(app, context)
+    app.state.responses = responses.register(app, context)
     tokenize.register(app, context)
 
     @app.get("/v1/models")
@@ -376,6 +376,7 @@ def serve(
         if engine.prefix is not None:
             # Keep what the cache holds for the next start over the same --cache-dir.
             engine.prefix.persist()
+            app.state.responses.save()
             if engine.prefix.store is not None:
                 engine.prefix.store.close()  # queued writes land (at most a few seconds)
         for sig, handler in previous.items():

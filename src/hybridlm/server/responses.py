@@ -15,23 +15,28 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
+import os
 import time
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from hybridlm.engine import InvalidParameter, SamplingParams, Usage
+from hybridlm.engine import Engine, InvalidParameter, SamplingParams, Usage
 from hybridlm.engine.request import CANCELLED, ERROR, LENGTH
 from hybridlm.models.tokenizer import Tokenizer
 from hybridlm.server.chat import ChatPlan, Part, effort_kwargs, plan_and_encode, tool_result_text
 from hybridlm.server.context import ServerContext
 from hybridlm.server.protocol import APIError, documented, request_body
+
+log = logging.getLogger(__name__)
 
 PATH = "/v1/responses"
 # Reasoning text in `encrypted_content` starts with this (other providers' opaque blobs do not).
@@ -275,12 +280,37 @@ class Stored:
 
 class ResponseStore:
     """Responses kept for `previous_response_id` and `GET`, least recently used dropped first beyond
-    `max_count` responses or `max_bytes` (their JSON size)."""
+    `max_count` responses or `max_bytes` (their JSON size). With a `path`, `load()` reads what
+    `save()` wrote there (a missing or unreadable file: an empty store)."""
 
-    def __init__(self, max_count: int = 1024, max_bytes: int = 256 << 20):
-        self.max_count, self.max_bytes = max_count, max_bytes
+    def __init__(self, max_count: int = 1024, max_bytes: int = 256 << 20, path: Path | None = None):
+        self.max_count, self.max_bytes, self.path = max_count, max_bytes, path
         self._entries: OrderedDict[str, Stored] = OrderedDict()
         self.bytes = 0
+
+    def load(self) -> None:
+        if self.path is None:
+            return
+        try:
+            for response, history in json.loads(self.path.read_text()):  # least recently used first
+                self.put(response, history)
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError, TypeError, KeyError) as e:
+            log.warning("responses: %s not read (%s); the store starts empty", self.path, e)
+            self._entries.clear()
+            self.bytes = 0
+
+    def save(self) -> None:
+        """Write the store to `path` (atomically: a crash leaves the previous file)."""
+        if self.path is None:
+            return
+        tmp = self.path.with_suffix(".tmp")
+        try:
+            tmp.write_text(json.dumps([[e.response, e.history] for e in self._entries.values()]))
+            os.replace(tmp, self.path)
+        except OSError as e:
+            log.warning("responses: %s not written (%s)", self.path, e)
 
     def put(self, response: dict[str, Any], history: list[dict[str, Any]]) -> None:
         size = len(json.dumps(response, ensure_ascii=False)) + len(json.dumps(history, ensure_ascii=False))
@@ -455,9 +485,18 @@ def _sse(event: dict[str, Any]) -> bytes:
 # -- the routes ------------------------------------------------------------------------------------
 
 
-def register(app: FastAPI, ctx: ServerContext, store: ResponseStore | None = None) -> ResponseStore:
-    """Add `/v1/responses` and `/v1/responses/{id}` to `app`; returns the response store."""
-    store = store if store is not None else ResponseStore()
+def saved_store(engine: Engine) -> Path | None:
+    """Where stored responses outlive the process: beside the prefix cache's disk tier
+    (`--cache-dir`), one file per model."""
+    disk = engine.prefix.disk if engine.prefix is not None else None
+    return None if disk is None else disk.directory / f"responses.{disk.fingerprint}.json"
+
+
+def register(app: FastAPI, ctx: ServerContext) -> ResponseStore:
+    """Add `/v1/responses` and `/v1/responses/{id}` to `app`; returns the response store (loaded from
+    `--cache-dir` when there is one; `save()` it at shutdown)."""
+    store = ResponseStore(path=saved_store(ctx.engine))
+    store.load()
 
     def not_found(response_id: str, param: str) -> APIError:
         return APIError(
