@@ -7,6 +7,7 @@ agent-facing additions: `reasoning_effort` on chat completions and vLLM's `/toke
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
@@ -19,6 +20,9 @@ from hypothesis import strategies as st
 from openai.types.responses import Response, ResponseOutputItem, ResponseStreamEvent
 from pydantic import TypeAdapter
 
+import hybridlm
+from hybridlm.engine import Engine
+from hybridlm.server.app import create_app
 from hybridlm.server.chat import Part, plan_chat
 from hybridlm.server.responses import Output, ResponsesRequest, ResponseStore, input_messages, prepare, seal
 from hybridlm.server.tools import ToolCall
@@ -554,3 +558,44 @@ def test_stored_responses_outlive_a_restart_over_the_same_cache_dir(demo_dir, tm
         assert follow.usage.input_tokens_details.cached_tokens >= kept.usage.input_tokens
     finally:
         assert second.stop() == 0, second.log.read_text()
+
+
+def test_an_engine_failure_is_a_500_or_a_failed_response(demo_dir, monkeypatch):
+    """In-process (ASGI transport): a forward that fails answers server_error, as a 500 or as the
+    stream's `response.failed`, and the engine goes on serving."""
+    model = hybridlm.load_model(demo_dir)
+    with Engine(model.lm, model.tokenizer) as engine:
+        failures = iter([RuntimeError("device lost")] * 2)
+        real = engine._prefill
+
+        def flaky(running):
+            if (error := next(failures, None)) is not None:
+                raise error
+            return real(running)
+
+        monkeypatch.setattr(engine, "_prefill", flaky)
+
+        async def main():
+            transport = httpx.ASGITransport(app=create_app(engine, MODEL))
+            async with httpx.AsyncClient(transport=transport, base_url="http://hybridlm") as http:
+                body = {"input": "x", "max_output_tokens": 2}
+                r = await http.post("/v1/responses", json=body)
+                assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+                streamed = await http.post("/v1/responses", json={**body, "stream": True})
+                events = [
+                    json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: ")
+                ]
+                assert [e["type"] for e in events] == [
+                    "response.created",
+                    "response.in_progress",
+                    "response.failed",
+                ]
+                failed = events[-1]["response"]
+                assert failed["status"] == "failed" and failed["error"]["code"] == "server_error"
+                assert "device lost" in failed["error"]["message"]
+                assert (await http.post("/v1/responses", json=body)).json()["status"] in (
+                    "completed",
+                    "incomplete",
+                )
+
+        asyncio.run(main())

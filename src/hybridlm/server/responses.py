@@ -603,8 +603,13 @@ def register(app: FastAPI, ctx: ServerContext) -> ResponseStore:
                     for out in output.add(part):
                         yield emit(out)
                 if event.finished:
-                    status = "incomplete" if event.finish_reason == LENGTH else "completed"
-                    for out in output.finish(status):
+                    if event.finish_reason in (ERROR, CANCELLED):  # no answer: only what was begun ends
+                        closing = output.close("incomplete")
+                    else:
+                        closing = output.finish(
+                            "incomplete" if event.finish_reason == LENGTH else "completed"
+                        )
+                    for out in closing:
                         yield emit(out)
                     kind = ended(response, output, event.finish_reason, event.error, event.usage)
                     keep(body, response, prepared)
