@@ -97,6 +97,9 @@ def test_the_router_tokenizes_prompts_as_the_server_does(demo_dir):
         "abc", add_special_tokens=True
     )
     assert request_tokens(tokenizer, "/v1/completions", b'{"prompt": [5, 6, 7]}') == [5, 6, 7]
+    # The Responses API renders its items as the chat they are; a stored conversation is a replica's.
+    assert request_tokens(tokenizer, "/v1/responses", b'{"input": "hi there"}') == ids
+    assert request_tokens(tokenizer, "/v1/responses", b'{"input": "x", "previous_response_id": "r"}') is None
     assert request_tokens(tokenizer, "/api/chat", b'{"messages": []}') is None
     assert request_tokens(tokenizer, "/v1/chat/completions", b"{nope") is None
 

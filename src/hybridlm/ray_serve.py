@@ -33,7 +33,14 @@ from hybridlm.prefix.store import common_length
 log = logging.getLogger(__name__)
 
 # The generation routes the frontend forwards (the replica's own app answers them).
-ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/messages", "/api/chat", "/api/generate")
+ROUTES = (
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/responses",
+    "/v1/messages",
+    "/api/chat",
+    "/api/generate",
+)
 POLICIES = ("prefix", "round_robin")
 RECENT = 256  # answered requests the router remembers (prompt tokens, replica)
 RECENT_S = 30.0  # ... for this long: a store write lands within a second unless it failed
@@ -66,6 +73,12 @@ def request_tokens(tokenizer, path: str, raw: bytes) -> list[int] | None:
             from hybridlm.server.protocol import ChatCompletionRequest, chat_prompt
 
             return chat_prompt(tokenizer, ChatCompletionRequest.model_validate(body))[1]
+        if path == "/v1/responses":
+            from hybridlm.server.responses import ResponsesRequest, prepare
+
+            request = ResponsesRequest.model_validate(body)
+            # A stored conversation is the replica's that answered it: its prompt is unknown here.
+            return None if request.previous_response_id else prepare(tokenizer, request, []).ids
         if path != "/v1/completions":
             return None
         prompt = body.get("prompt")

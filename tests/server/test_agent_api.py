@@ -369,3 +369,106 @@ def test_a_conversation_reuses_the_cache_through_every_api(client, claude, llama
     third = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
     assert third.usage.prompt_tokens_details.cached_tokens == prompt_tokens - 1
     assert third.choices[0].message.content == second.content[0].text == first.message.content
+
+
+# -- Claude Code's request shapes ------------------------------------------------------------------
+# As Claude Code 2.1 sends them (recorded from `claude -p`): a billing header with a per-request
+# nonce as the first system block, `system` entries among the messages, adaptive thinking with an
+# effort, cache_control on blocks and tools, a deferred tool and a server tool (tool search), and
+# beta headers. tests/server/test_agent_clients.py drives the program itself.
+
+CLAUDE_BETAS = {"anthropic-beta": "claude-code-20250219,advanced-tool-use-2025-11-20,effort-2025-11-24"}
+CLAUDE_TOOLS = [
+    {
+        "name": "Bash",
+        "description": "Run a command.",
+        "input_schema": {
+            "type": "object",
+            "properties": {"command": {"type": "string"}},
+            "required": ["command"],
+        },
+        "cache_control": {"type": "ephemeral"},
+    },
+    {
+        "name": "NotebookEdit",
+        "description": "Edit a notebook.",
+        "input_schema": {"type": "object", "properties": {"cell": {"type": "integer"}}},
+        "defer_loading": True,
+    },
+    {"type": "tool_search_tool_regex_20251119", "name": "tool_search_tool_regex"},
+]
+
+
+def claude_code_request(text: str, nonce: str) -> dict:
+    system = [
+        {
+            "type": "text",
+            "text": f"x-anthropic-billing-header: cc_version=2.1.332.0b8; cc_entrypoint=cli; cch={nonce};",
+        },
+        {"type": "text", "text": "You are Claude Code. " * 40, "cache_control": {"type": "ephemeral"}},
+    ]
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "<system-reminder>No files.</system-reminder>"},
+                {"type": "text", "text": text, "cache_control": {"type": "ephemeral"}},
+            ],
+        },
+        {"role": "system", "content": [{"type": "text", "text": "Answer briefly."}]},
+    ]
+    extra = {
+        "thinking": {"type": "adaptive", "display": "omitted"},
+        "output_config": {"effort": "high"},
+        "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+        "metadata": {"user_id": json.dumps({"session_id": nonce})},
+        **GREEDY,
+    }
+    return dict(model=MODEL, system=system, messages=messages, tools=CLAUDE_TOOLS, extra_body=extra)
+
+
+def test_claude_code_requests_differing_in_the_billing_nonce_share_the_cache(claude):
+    text = unique("List the files")[0]["content"]
+    first = claude.messages.create(
+        max_tokens=4, extra_headers=CLAUDE_BETAS, **claude_code_request(text, "a1b2c")
+    )
+    with claude.messages.stream(
+        max_tokens=4, extra_headers=CLAUDE_BETAS, **claude_code_request(text, "f9e8d")
+    ) as s:
+        second = s.get_final_message()
+    prompt = second.usage.input_tokens + second.usage.cache_read_input_tokens
+    assert prompt == first.usage.input_tokens + first.usage.cache_read_input_tokens
+    assert second.usage.cache_read_input_tokens >= 0.9 * prompt
+    counts = [claude.messages.count_tokens(**claude_code_request(text, n)).input_tokens for n in ("1", "2")]
+    assert counts == [prompt, prompt]
+
+
+def test_claude_code_roles_thinking_and_tool_references(claude):
+    def count(**kw) -> int:
+        request = claude_code_request("Hi", "n") | kw
+        return claude.messages.count_tokens(**request).input_tokens
+
+    adaptive = count()
+    extra = claude_code_request("Hi", "n")["extra_body"]
+    assert count(extra_body={**extra, "thinking": {"type": "enabled", "budget_tokens": 1024}}) == adaptive
+    # Thinking off: the template closes an empty thinking block after the prompt.
+    assert count(extra_body={**extra, "thinking": {"type": "disabled"}}) > adaptive
+    as_user = [{"role": "user", "content": "Hi"}]
+    for role in ("ctx", "msg"):
+        assert count(messages=[{"role": role, "content": "Hi"}]) == count(messages=as_user)
+    # A system entry joins the system prompt: the same prompt as one system text.
+    joined = claude_code_request("Hi", "n")
+    joined["system"] = [joined["system"][1], {"type": "text", "text": "\n\nAnswer briefly."}]
+    joined["messages"] = joined["messages"][:1]
+    assert claude.messages.count_tokens(**joined).input_tokens == adaptive
+    search = {"type": "tool_use", "id": "t1", "name": "Bash", "input": {"command": "search"}}
+    found = {
+        "type": "tool_result",
+        "tool_use_id": "t1",
+        "content": [{"type": "tool_reference", "tool_name": "NotebookEdit"}],
+    }
+    history = [*as_user, {"role": "assistant", "content": [search]}, {"role": "user", "content": [found]}]
+    reply = claude.messages.create(
+        max_tokens=4, extra_headers=CLAUDE_BETAS, **(claude_code_request("Hi", "n") | {"messages": history})
+    )
+    assert reply.stop_reason in ("end_turn", "max_tokens", "tool_use")

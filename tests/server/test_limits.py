@@ -22,6 +22,11 @@ def test_queue_full_gets_429_and_others_are_undisturbed(small_server):
             refused = httpx.post(url, json={**long, "stream": False})
             assert_openai_error(refused, 429, None, "queue_full")
             assert refused.headers["retry-after"] == "1"
+            # The Responses API words it as OpenAI's Responses clients know it.
+            refused = httpx.post(
+                small_server.url + "/v1/responses", json={"input": "x", "max_output_tokens": 2}
+            )
+            assert_openai_error(refused, 429, None, "rate_limit_exceeded")
             tail = [line for line in waiting.iter_lines() if line]
         rest = [line for line in lines if line]
     # Both accepted requests ran to completion, unaffected by the refusal.

@@ -20,11 +20,14 @@ from pydantic import BaseModel, ConfigDict
 from hybridlm.engine import InvalidParameter, SamplingParams
 from hybridlm.engine.request import CANCELLED, ERROR, LENGTH
 from hybridlm.server import errors
-from hybridlm.server.chat import ChatPlan, plan_and_encode, read_answer, tool_result_text
+from hybridlm.server.chat import ChatPlan, effort_kwargs, plan_and_encode, read_answer, tool_result_text
 from hybridlm.server.context import ServerContext
 from hybridlm.server.protocol import APIError, new_id
 
 PREFIX = errors.ANTHROPIC_PREFIX
+# Claude Code's first system block: `x-anthropic-billing-header: cc_version=...; cch=<nonce>;`
+BILLING_HEADER = "x-anthropic-billing-header:"
+USER_ROLES = {"ctx": "user", "msg": "user"}
 
 
 class MessagesRequest(BaseModel):
@@ -39,6 +42,7 @@ class MessagesRequest(BaseModel):
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None
     stream: bool = False
     temperature: float | None = None
     top_p: float | None = None
@@ -62,16 +66,52 @@ def _text(blocks: Any, where: str) -> str:
     return "".join(parts)
 
 
+def system_text(system: str | list[dict[str, Any]] | None) -> str | None:
+    """The system prompt without Claude Code's billing header block: its `cch=` nonce changes every
+    request, and rendered first it would leave no prefix for the cache to reuse."""
+    if isinstance(system, list):
+        system = [
+            b
+            for b in system
+            if not (isinstance(b, dict) and str(b.get("text", "")).startswith(BILLING_HEADER))
+        ]
+    return None if system is None else _text(system, "system")
+
+
+def _tool_result(block: dict[str, Any], where: str) -> str:
+    """A tool_result's content as text; a `tool_reference` (what tool search returns) names the tool,
+    which is offered with the others (hybridlm renders deferred tools too)."""
+    inner = block.get("content", "")
+    if not isinstance(inner, list):
+        return tool_result_text(inner)
+    parts = []
+    for part in inner:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "tool_reference":
+            parts.append({"type": "text", "text": f"Tool loaded: {part.get('tool_name', '')}"})
+        elif kind == "text":
+            parts.append(part)
+        else:  # images, documents: this text model cannot read them
+            raise InvalidParameter("messages", f"{where}: tool_result blocks of type {kind} unsupported")
+    return tool_result_text(parts)
+
+
 def openai_messages(body: MessagesRequest) -> list[dict[str, Any]]:
-    """The conversation as OpenAI-shaped messages (what the chat template renders)."""
+    """The conversation as OpenAI-shaped messages (what the chat template renders). `system` entries
+    among the messages join the system prompt in order; `ctx` and `msg` entries are user turns (as
+    vLLM maps them)."""
     out: list[dict[str, Any]] = []
-    if body.system is not None:
-        out.append({"role": "system", "content": _text(body.system, "system")})
+    system = system_text(body.system)
+    extra_system = []
     for i, message in enumerate(body.messages):
         where = f"messages[{i}]"
         role, content = message.get("role"), message.get("content")
+        if role == "system":
+            extra_system.append(_text(content, f"{where}.content"))
+            continue
+        role = USER_ROLES.get(role, role)
         if role not in ("user", "assistant"):
-            raise InvalidParameter("messages", f'{where}.role must be "user" or "assistant"')
+            raise InvalidParameter("messages", f'{where}.role must be "user", "assistant" or "system"')
         blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
         if not isinstance(blocks, list):
             raise InvalidParameter("messages", f"{where}.content must be a string or a list of blocks")
@@ -92,15 +132,10 @@ def openai_messages(body: MessagesRequest) -> list[dict[str, Any]]:
                     )
                 function = {"name": block["name"], "arguments": json.dumps(args, ensure_ascii=False)}
                 calls.append({"id": str(block.get("id", "")), "type": "function", "function": function})
+            elif kind == "tool_reference" and role == "user":
+                text.append(f"Tool loaded: {block.get('tool_name', '')}")
             elif kind == "tool_result" and role == "user":
-                inner = block.get("content", "")
-                if isinstance(inner, list):
-                    kinds = {part.get("type") if isinstance(part, dict) else None for part in inner}
-                    if kinds - {"text"}:  # images, documents: this text model cannot read them
-                        other = ", ".join(sorted(map(str, kinds - {"text"})))
-                        message = f"{where}.content[{j}]: tool_result blocks of type {other} unsupported"
-                        raise InvalidParameter("messages", message)
-                result = tool_result_text(inner)
+                result = _tool_result(block, f"{where}.content[{j}]")
                 out.append(
                     {"role": "tool", "tool_call_id": str(block.get("tool_use_id", "")), "content": result}
                 )
@@ -115,7 +150,9 @@ def openai_messages(body: MessagesRequest) -> list[dict[str, Any]]:
             if calls:
                 turn["tool_calls"] = calls
             out.append(turn)
-    return out
+    if extra_system:
+        system = "\n\n".join([system, *extra_system] if system is not None else extra_system)
+    return ([{"role": "system", "content": system}] if system is not None else []) + out
 
 
 def openai_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
@@ -123,6 +160,8 @@ def openai_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | N
         return None
     out = []
     for i, tool in enumerate(tools):
+        if isinstance(tool, dict) and tool.get("type", "custom") != "custom" and "input_schema" not in tool:
+            continue  # a server tool (web search, tool search, ...): Anthropic runs those, hybridlm cannot
         if not isinstance(tool, dict) or not isinstance(tool.get("name"), str):
             raise InvalidParameter("tools", f"tools[{i}] must have a name")
         function = {"name": tool["name"], "parameters": tool.get("input_schema", {"type": "object"})}
@@ -151,9 +190,10 @@ def plan(ctx: ServerContext, body: MessagesRequest) -> tuple[ChatPlan, list[int]
     """The request's chat plan and prompt ids (APIError 400 naming the field). Blocking."""
     try:
         choice, parallel = openai_tool_choice(body.tool_choice)
-        kwargs = {}
+        effort = (body.output_config or {}).get("effort")
+        kwargs = effort_kwargs(effort, "output_config.effort")
         if body.thinking is not None:
-            kwargs["enable_thinking"] = body.thinking.get("type") == "enabled"
+            kwargs["enable_thinking"] = body.thinking.get("type") in ("enabled", "adaptive")
         messages, tools = openai_messages(body), openai_tools(body.tools)
         return plan_and_encode(ctx.tokenizer, messages, tools, choice, parallel, None, kwargs)
     except InvalidParameter as e:

@@ -36,7 +36,7 @@ from hybridlm.engine import (
     Usage,
 )
 from hybridlm.engine.request import CANCELLED, ERROR
-from hybridlm.server import anthropic, errors, metrics, ollama
+from hybridlm.server import anthropic, errors, metrics, ollama, responses, tokenize
 from hybridlm.server.bounded import BoundedTokenizer
 from hybridlm.server.context import ServerContext
 from hybridlm.server.lifecycle import DrainingServer, OpenConnections, timed_protocol
@@ -303,6 +303,8 @@ def create_app(
     context = ServerContext(engine, tokenizer, model_name, parse, submit, collect, offload)
     anthropic.register(app, context)
     ollama.register(app, context)
+    app.state.responses = responses.register(app, context)
+    tokenize.register(app, context)
 
     @app.get("/v1/models")
     async def models():
@@ -330,7 +332,7 @@ def create_app(
     async def openapi():
         return app.openapi()
 
-    app.openapi = lambda: openapi_schema(app, model_name)
+    app.openapi = lambda: openapi_schema(app, model_name, (responses.ResponsesRequest,))
     route_paths.update(route.path for route in app.routes)
     return app
 
@@ -374,6 +376,7 @@ def serve(
         if engine.prefix is not None:
             # Keep what the cache holds for the next start over the same --cache-dir.
             engine.prefix.persist()
+            app.state.responses.save()
             if engine.prefix.store is not None:
                 engine.prefix.store.close()  # queued writes land (at most a few seconds)
         for sig, handler in previous.items():

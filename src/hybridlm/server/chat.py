@@ -128,6 +128,20 @@ def response_grammar(response_format: Any, param: str = "response_format") -> st
     raise InvalidParameter(param, f'{param}.type must be "text", "json_object" or "json_schema"')
 
 
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+
+
+def effort_kwargs(effort: Any, param: str = "reasoning_effort") -> dict[str, Any]:
+    """A reasoning effort as chat template arguments: `enable_thinking` (the switch of Qwen3-style
+    templates: off for "none" and "minimal") and `reasoning_effort` (templates taking a level, as
+    gpt-oss's does). None: the template's defaults."""
+    if effort is None:
+        return {}
+    if effort not in EFFORTS:
+        raise InvalidParameter(param, f"{param} must be one of {', '.join(EFFORTS)}")
+    return {"enable_thinking": effort not in ("none", "minimal"), "reasoning_effort": effort}
+
+
 def marker_ids(tokenizer: Tokenizer, markers: tuple[str, ...]) -> dict[str, int]:
     """The markers the tokenizer has as one token: a grammar names that token (the model writes
     the marker as it, and grammar libraries never match an added token by its text)."""

@@ -21,7 +21,7 @@ from hybridlm.engine import Completion, Event, InvalidParameter, SamplingParams,
 from hybridlm.engine.params import MAX_LOGPROBS
 from hybridlm.engine.request import SpeculativeUsage
 from hybridlm.models.tokenizer import Tokenizer
-from hybridlm.server.chat import ChatPlan, ChatStream, plan_chat, read_answer
+from hybridlm.server.chat import ChatPlan, ChatStream, effort_kwargs, plan_chat, read_answer
 from hybridlm.server.tools import ToolCall
 
 
@@ -45,7 +45,7 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-def _documented(**schema) -> Any:
+def documented(**schema) -> Any:
     """A field whose OpenAPI schema states the range `SamplingParams` enforces (the check itself stays
     there, so every endpoint words its errors alike): schema-driven clients and fuzzers then send
     values the server takes."""
@@ -76,20 +76,20 @@ class _GenerationRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    n: int | None = _documented(minimum=1, maximum=MAX_CHOICES)
+    n: int | None = documented(minimum=1, maximum=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: int | None = _documented(minimum=1)
-    temperature: float | None = _documented(minimum=0, maximum=100)
-    top_p: float | None = _documented(exclusiveMinimum=0, maximum=1)
-    top_k: int | None = _documented(minimum=-1)
-    min_p: float | None = _documented(minimum=0, maximum=1)
-    presence_penalty: float | None = _documented(minimum=-2, maximum=2)
-    frequency_penalty: float | None = _documented(minimum=-2, maximum=2)
-    repetition_penalty: float | None = _documented(exclusiveMinimum=0, maximum=100)
-    seed: int | None = _documented(minimum=-(2**63), maximum=2**64 - 1)
+    max_tokens: int | None = documented(minimum=1)
+    temperature: float | None = documented(minimum=0, maximum=100)
+    top_p: float | None = documented(exclusiveMinimum=0, maximum=1)
+    top_k: int | None = documented(minimum=-1)
+    min_p: float | None = documented(minimum=0, maximum=1)
+    presence_penalty: float | None = documented(minimum=-2, maximum=2)
+    frequency_penalty: float | None = documented(minimum=-2, maximum=2)
+    repetition_penalty: float | None = documented(exclusiveMinimum=0, maximum=100)
+    seed: int | None = documented(minimum=-(2**63), maximum=2**64 - 1)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = _documented(items={"type": "integer", "minimum": 0})
+    stop_token_ids: list[int] | None = documented(items={"type": "integer", "minimum": 0})
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     speculative: bool = True
@@ -127,25 +127,27 @@ class ChatCompletionRequest(_GenerationRequest):
     """`POST /v1/chat/completions`. `tools` and `chat_template_kwargs` (e.g. `enable_thinking`) are
     handed to the chat template; tool calls and reasoning in the output are parsed in the format the
     template writes (`hybridlm.server.chat`); `tool_choice` required / named and `response_format`
-    are enforced by constrained decoding."""
+    are enforced by constrained decoding. `reasoning_effort` sets the template's thinking switch
+    (`chat.effort_kwargs`); `chat_template_kwargs` given with it win."""
 
     messages: list[dict[str, Any]] = Field(json_schema_extra={"items": _MESSAGE, "minItems": 1})
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
-    max_completion_tokens: int | None = _documented(minimum=1)
+    max_completion_tokens: int | None = documented(minimum=1)
     logprobs: bool = False
-    top_logprobs: int | None = _documented(minimum=0, maximum=MAX_LOGPROBS)
+    top_logprobs: int | None = documented(minimum=0, maximum=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
 
 
 class CompletionRequest(_GenerationRequest):
     """`POST /v1/completions`: `prompt` is text or token ids (a one-element list of either is accepted)."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = _documented(minimum=0, maximum=MAX_LOGPROBS)
+    logprobs: int | None = documented(minimum=0, maximum=MAX_LOGPROBS)
     echo: bool = False
 
 
@@ -202,13 +204,13 @@ def request_body(model: type[BaseModel]) -> dict:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
 
 
-def openapi_schema(app, model_name: str) -> dict:
+def openapi_schema(app, model_name: str, more: tuple[type[BaseModel], ...] = ()) -> dict:
     """The app's OpenAPI schema with the request models of `request_body` in its components (`model`:
-    the one served)."""
+    the one served; `more`: the other APIs' request models)."""
     if app.openapi_schema is None:
         schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
         components = schema.setdefault("components", {}).setdefault("schemas", {})
-        for model in (ChatCompletionRequest, CompletionRequest):
+        for model in (ChatCompletionRequest, CompletionRequest, *more):
             described = model.model_json_schema(ref_template="#/components/schemas/{model}")
             components.update(described.pop("$defs", {}))
             described["properties"]["model"] = {"anyOf": [{"const": model_name}, {"type": "null"}]}
@@ -243,7 +245,7 @@ def plan_openai_chat(tokenizer: Tokenizer, body: ChatCompletionRequest) -> ChatP
         body.tool_choice,
         body.parallel_tool_calls,
         body.response_format,
-        body.chat_template_kwargs,
+        effort_kwargs(body.reasoning_effort) | (body.chat_template_kwargs or {}),
         body.add_generation_prompt,
     )
 
