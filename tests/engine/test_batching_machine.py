@@ -197,7 +197,7 @@ def run_machine(monkeypatch, lm, with_prefix: bool) -> dict[str, int]:
     BatchingMachine.seen = {}
     run = BatchingMachine.TestCase
     run.settings = settings(
-        max_examples=8,
+        max_examples=5,
         stateful_step_count=14,
         deadline=None,
         suppress_health_check=list(HealthCheck),

@@ -247,7 +247,7 @@ def test_prefix_cache_state_machine(tiny_model):
     PrefixMachine.model = tiny_model
     run = PrefixMachine.TestCase
     run.settings = settings(
-        max_examples=15, stateful_step_count=12, deadline=None, suppress_health_check=list(HealthCheck)
+        max_examples=10, stateful_step_count=12, deadline=None, suppress_health_check=list(HealthCheck)
     )
     run().runTest()
 

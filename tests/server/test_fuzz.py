@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 
-EXAMPLES = 40  # per operation and generation mode
+EXAMPLES = 25  # per operation and generation mode
 
 
 @pytest.fixture
