@@ -2,8 +2,8 @@
 (`codex exec`, Responses API), Claude Code (`claude -p`, Messages API), opencode (`opencode run`,
 chat completions) and the OpenAI Agents SDK (Responses and chat completions models).
 
-The npm programs are installed once into `.agent-clients/npm/` at the repository root (git-ignored; a
-rerun reuses it). Where one cannot be installed or started here, its test skips saying why. The demo
+The npm programs are installed once into `$XDG_CACHE_HOME/hybridlm/agent-clients/npm/` (default
+`~/.cache/...`), outside the repository, so a CI run on a fresh clone reuses them. Where one cannot be installed or started here, its test skips saying why. The demo
 model has random weights: Codex is given an output schema, and the Agents SDK a required tool call
 whose result ends the run, so that constrained decoding makes the answer end and the call valid;
 Claude Code and opencode ask for no such thing, so their replies end at the output cap they are
@@ -25,8 +25,7 @@ from openai import AsyncOpenAI
 
 from tests.server.conftest import API_KEY, MODEL, ServerProcess
 
-ROOT = Path(__file__).resolve().parents[2]
-CLIENTS = ROOT / ".agent-clients"
+CLIENTS = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hybridlm" / "agent-clients"
 NPM = CLIENTS / "npm"  # beside opencode's cache (below), which must not sit inside an npm project
 PACKAGES = {"@openai/codex": "0.171.0", "@anthropic-ai/claude-code": "2.1.332", "opencode-ai": "1.18.33"}
 BINARIES = {"codex": "@openai/codex", "claude": "@anthropic-ai/claude-code", "opencode": "opencode-ai"}
