@@ -3,7 +3,8 @@
 chat completions) and the OpenAI Agents SDK (Responses and chat completions models).
 
 The npm programs are installed once into `$XDG_CACHE_HOME/hybridlm/agent-clients/npm/` (default
-`~/.cache/...`), outside the repository, so a CI run on a fresh clone reuses them. Where one cannot be installed or started here, its test skips saying why. The demo
+`~/.cache/...`), outside the repository, so a CI run on a fresh clone reuses them. Where one cannot be
+installed or started here, its test skips saying why. The demo
 model has random weights: Codex is given an output schema, and the Agents SDK a required tool call
 whose result ends the run, so that constrained decoding makes the answer end and the call valid;
 Claude Code and opencode ask for no such thing, so their replies end at the output cap they are
