@@ -13,6 +13,10 @@ import time
 from collections.abc import Callable
 
 import torch
+from torch import nn
+
+from hybridlm.ops.quant import QuantLinear
+from hybridlm.ops.quant_gemm import integer_prefill
 
 __all__ = ["decode_limit_tok_s", "matmul_tflops", "memory_bandwidth_gbs", "prefill_limit_tok_s"]
 
@@ -49,7 +53,11 @@ def _bandwidth(device: torch.device, threads: int) -> float:
 @functools.cache
 def _tflops(dtype: torch.dtype, device: torch.device, threads: int) -> float:
     n = 4096 if device.type == "cuda" else 2048
-    if dtype is torch.int8:  # int32 accumulation, as quantized prefill multiplies (ops.quant_gemm)
+    if dtype is torch.int8:  # int32 sums, by the kernels quantized prefill runs (ops.quant_gemm)
+        if device.type == "cpu" and integer_prefill():
+            layer = QuantLinear.from_linear(nn.Linear(n, n, bias=False).to(torch.bfloat16), "int8")
+            x = torch.randn(n, n).to(torch.bfloat16)
+            return 2 * n**3 / _best_seconds(lambda: layer._forward_integer(x), device) / 1e12
         a = torch.randint(-127, 128, (n, n), dtype=dtype, device=device)
         b = torch.randint(-127, 128, (n, n), dtype=dtype, device=device)
         return 2 * n**3 / _best_seconds(lambda: torch._int_mm(a, b), device) / 1e12
@@ -71,8 +79,8 @@ def memory_bandwidth_gbs(device: torch.device | str = "cpu") -> float:
 
 def matmul_tflops(dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu") -> float:
     """Square GEMM rate in TFLOP/s (2·n³ FLOPs, n = 2048 on CPU, 4096 on CUDA) for ``dtype`` (int8:
-    ``torch._int_mm``, TOP/s; bf16 on a CPU: the faster of the bf16 GEMM and the float32 GEMM of the
-    same values, as `ops.linear` chooses)."""
+    the integer prefill kernels on a CPU that has them, else ``torch._int_mm``, TOP/s; bf16 on a CPU:
+    the faster of the bf16 GEMM and the float32 GEMM of the same values, as `ops.linear` chooses)."""
     return _tflops(dtype, torch.device(device), torch.get_num_threads())
 
 
