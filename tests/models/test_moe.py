@@ -1,0 +1,236 @@
+"""The MoE building blocks (`models.moe`): routers against a brute-force float64 reference and against
+transformers' own routers, the routed experts against a dense per-token float64 computation, the
+sparse block's shared expert, the stacking of per-expert checkpoint tensors, and the routing
+settings a router refuses."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hybridlm.models.checkpoint import CheckpointError
+from hybridlm.models.layers import GatedMLP
+from hybridlm.models.moe import (
+    SIGMOID,
+    SOFTMAX,
+    Experts,
+    Router,
+    SparseMoE,
+    check_routing,
+    sigmoid_topk,
+    softmax_topk,
+    stack_experts,
+)
+
+
+def brute_force_route(
+    logits: torch.Tensor, top_k: int, scoring: str, bias=None, n_group=1, topk_group=1,
+    normalize=True, scaling=1.0, eps=1e-20,
+) -> list[dict[int, float]]:
+    """Per token {expert: weight} in float64, by sorting Python lists: the definition of each rule."""
+    out = []
+    for row in logits.double().tolist():
+        e = len(row)
+        if scoring == SOFTMAX:
+            top = max(row)
+            exp = [pow(2.718281828459045, v - top) for v in row]
+            scores = [v / sum(exp) for v in exp]
+            choice = scores
+        else:
+            scores = [1 / (1 + pow(2.718281828459045, -v)) for v in row]
+            choice = [s + (0.0 if bias is None else float(bias[j])) for j, s in enumerate(scores)]
+        allowed = set(range(e))
+        if n_group > 1:
+            size = e // n_group
+            rating = {g: sum(sorted(choice[g * size : (g + 1) * size])[-2:]) for g in range(n_group)}
+            best = sorted(rating, key=rating.get)[-topk_group:]
+            allowed = {j for g in best for j in range(g * size, (g + 1) * size)}
+        chosen = sorted(allowed, key=lambda j: choice[j])[-top_k:]
+        weights = {j: scores[j] for j in chosen}
+        if normalize:
+            total = sum(weights.values()) + (eps if scoring == SIGMOID else 0.0)
+            weights = {j: w / total for j, w in weights.items()}
+        out.append({j: w * scaling for j, w in weights.items()})
+    return out
+
+
+def assert_routes(weights: torch.Tensor, index: torch.Tensor, want: list[dict[int, float]], tol: float):
+    """The same experts chosen per token (in any order) with the reference's weights."""
+    assert weights.dtype is torch.float32 and weights.shape == index.shape
+    for w_row, i_row, ref in zip(weights.tolist(), index.tolist(), want, strict=True):
+        assert sorted(i_row) == sorted(ref)
+        for j, w in zip(i_row, w_row, strict=True):
+            assert w == pytest.approx(ref[j], rel=tol, abs=tol)
+
+
+def logits_for(n: int, e: int, seed: int) -> torch.Tensor:
+    return torch.randn(n, e, generator=torch.Generator().manual_seed(seed)) * 2
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_softmax_topk_picks_the_most_probable_experts_and_renormalises_their_weights(normalize):
+    logits = logits_for(12, 7, seed=1)
+    weights, index = softmax_topk(logits, 3, normalize)
+    assert_routes(weights, index, brute_force_route(logits, 3, SOFTMAX, normalize=normalize), 1e-6)
+    if normalize:
+        torch.testing.assert_close(weights.sum(-1), torch.ones(12))
+
+
+@pytest.mark.parametrize(
+    ("e", "k", "n_group", "topk_group", "normalize", "scaling", "eps"),
+    [
+        (6, 2, 1, 1, True, 1.0, 1e-6),  # LFM2-MoE's rule
+        (12, 3, 4, 2, True, 2.5, 1e-20),  # DeepSeek-V3's kin: groups, scaling
+        (10, 4, 5, 3, False, 1.5, 1e-20),  # experts not a power of two, no normalisation
+    ],
+)
+def test_sigmoid_topk_selects_by_biased_scores_and_weights_by_unbiased_ones(
+    e, k, n_group, topk_group, normalize, scaling, eps
+):
+    logits = logits_for(16, e, seed=e + k)
+    # a bias large enough to change the choice of many tokens
+    bias = torch.randn(e, generator=torch.Generator().manual_seed(3)) * 0.5
+    weights, index = sigmoid_topk(logits, k, bias, n_group, topk_group, normalize, scaling, eps)
+    want = brute_force_route(logits, k, SIGMOID, bias, n_group, topk_group, normalize, scaling, eps)
+    assert_routes(weights, index, want, 1e-6)
+    unbiased = sigmoid_topk(logits, k, None, n_group, topk_group, normalize, scaling, eps)[1]
+    assert not torch.equal(index.sort(-1).values, unbiased.sort(-1).values)
+
+
+def test_group_limited_selection_never_leaves_the_chosen_groups():
+    logits = logits_for(32, 16, seed=5)
+    _, index = sigmoid_topk(logits, 4, None, n_group=4, topk_group=1)
+    # one group of four experts kept: every token's four experts are that group
+    assert torch.equal(index.sort(-1).values % 4, torch.arange(4).expand(32, 4))
+
+
+def hf_config(**kw):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(hidden_size=8, **kw)
+
+
+def test_routers_equal_transformers_qwen3_5_moe_lfm2_moe_and_deepseek_v3():
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+    from transformers.models.lfm2_moe.modeling_lfm2_moe import Lfm2MoeTopKRouter
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeTopKRouter
+
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(20, 8, generator=gen)
+    cases = [
+        (
+            Qwen3_5MoeTopKRouter(hf_config(num_experts_per_tok=3, num_experts=7)),
+            Router(8, 7, 3, SOFTMAX),
+        ),
+        (
+            Lfm2MoeTopKRouter(hf_config(num_experts_per_tok=2, num_experts=6, norm_topk_prob=True,
+                                        routed_scaling_factor=1.7, use_expert_bias=True)),
+            Router(8, 6, 2, SIGMOID, bias=True, scaling=1.7, eps=1e-6),
+        ),
+        (
+            DeepseekV3TopkRouter(hf_config(num_experts_per_tok=3, num_local_experts=12, n_group=4,
+                                           topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5)),
+            Router(8, 12, 3, SIGMOID, bias=True, n_group=4, topk_group=2, scaling=2.5, float32_logits=True),
+        ),
+    ]
+    for theirs, ours in cases:
+        e = ours.weight.shape[0]
+        w = torch.randn(e, 8, generator=gen)
+        bias = torch.randn(e, generator=gen) * 0.3
+        theirs.weight.data.copy_(w)
+        ours.weight.data.copy_(w)
+        if ours.e_score_correction_bias is not None:
+            ours.e_score_correction_bias.copy_(bias)
+        if isinstance(theirs, Lfm2MoeTopKRouter):
+            _, want_w, want_i = theirs(x, bias)
+        else:
+            if hasattr(theirs, "e_score_correction_bias"):
+                theirs.e_score_correction_bias.copy_(bias)
+            _, want_w, want_i = theirs(x)
+        got_w, got_i = ours(x)
+        got_i, order = got_i.sort(-1)
+        want_i, want_order = want_i.sort(-1)
+        assert torch.equal(got_i, want_i), type(theirs).__name__
+        want_w = want_w.float().gather(1, want_order)
+        torch.testing.assert_close(got_w.gather(1, order), want_w, rtol=1e-6, atol=1e-7)
+
+
+def dense_experts_reference(x, gate_up, down, index, weights) -> torch.Tensor:
+    """Every token through its own k experts, one at a time, in float64."""
+    x, gate_up, down, weights = x.double(), gate_up.double(), down.double(), weights.double()
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j, e in enumerate(index[t].tolist()):
+            gate, up = (gate_up[e] @ x[t]).chunk(2)
+            out[t] += weights[t, j] * (down[e] @ (F.silu(gate) * up))
+    return out
+
+
+def random_experts(e: int, d: int, inter: int, seed: int) -> Experts:
+    experts = Experts(e, d, inter, "silu")
+    gen = torch.Generator().manual_seed(seed)
+    experts.gate_up_proj.data = torch.randn(e, 2 * inter, d, generator=gen) * d**-0.5
+    experts.down_proj.data = torch.randn(e, d, inter, generator=gen) * inter**-0.5
+    return experts
+
+
+def test_experts_equal_each_tokens_own_experts_computed_densely():
+    experts = random_experts(5, 16, 12, seed=1)
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(9, 16, generator=gen)
+    weights, index = softmax_topk(torch.randn(9, 5, generator=gen), 2)
+    got = experts(x, index, weights)
+    want = dense_experts_reference(x, experts.gate_up_proj, experts.down_proj, index, weights)
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5)
+
+
+def test_sparse_block_adds_the_sigmoid_gated_shared_expert():
+    router, experts = Router(16, 5, 2, SOFTMAX), random_experts(5, 16, 12, seed=3)
+    shared = GatedMLP(16, 8)
+    block = SparseMoE(router, experts, shared, "shared_expert", gated_shared=True)
+    x = torch.randn(2, 3, 16, generator=torch.Generator().manual_seed(4))
+    flat = x.reshape(-1, 16)
+    weights, index = router(flat)
+    want = experts(flat, index, weights) + torch.sigmoid(block.shared_expert_gate(flat)) * shared(flat)
+    torch.testing.assert_close(block(x), want.view(x.shape), rtol=0, atol=1e-6)
+    names = {"gate.weight", "shared_expert_gate.weight", "shared_expert.up_proj.weight"}
+    assert names <= set(block.state_dict())
+
+
+def test_stacking_per_expert_tensors_gives_the_fused_layout_and_checks_shapes():
+    e, d, inter = 3, 4, 6
+    state = {}
+    for j in range(e):
+        state[f"p.{j}.w1.weight"] = torch.full((inter, d), j + 0.1)
+        state[f"p.{j}.w3.weight"] = torch.full((inter, d), j + 0.3)
+        state[f"p.{j}.w2.weight"] = torch.full((d, inter), j + 0.2)
+    stack_experts(state, "p", e, d, inter, ("w1", "w3", "w2"))
+    assert set(state) == {"p.gate_up_proj", "p.down_proj"}
+    assert state["p.gate_up_proj"].shape == (e, 2 * inter, d)
+    # gate rows first, then up rows, expert by expert
+    assert state["p.gate_up_proj"][2, 0, 0] == pytest.approx(2.1)
+    assert state["p.gate_up_proj"][2, -1, 0] == pytest.approx(2.3)
+    bad = {f"p.{j}.gate_proj.weight": torch.zeros(inter, d) for j in range(e)}
+    with pytest.raises(CheckpointError, match="missing tensor 'p.0.up_proj.weight'"):
+        stack_experts(bad, "p", e, d, inter)
+    bad = {f"p.{j}.{n}.weight": torch.zeros(inter, d) for j in range(e) for n in ("gate_proj", "up_proj")}
+    bad |= {f"p.{j}.down_proj.weight": torch.zeros(d, inter + 1) for j in range(e)}
+    with pytest.raises(CheckpointError, match="has shape"):
+        stack_experts(bad, "p", e, d, inter)
+
+
+@pytest.mark.parametrize(
+    ("e", "k", "n_group", "topk_group", "message"),
+    [
+        (4, 5, 1, 1, "num_experts_per_tok=5"),
+        (4, 0, 1, 1, "num_experts_per_tok=0"),
+        (10, 2, 3, 1, "n_group=3"),
+        (12, 5, 4, 1, "topk_group=1"),
+    ],
+)
+def test_impossible_routing_settings_are_a_checkpoint_error(e, k, n_group, topk_group, message):
+    with pytest.raises(CheckpointError, match=message):
+        check_routing(e, k, n_group, topk_group)
+    with pytest.raises(CheckpointError, match=message):
+        Router(8, e, k, SIGMOID, n_group=n_group, topk_group=topk_group)
