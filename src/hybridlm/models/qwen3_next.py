@@ -77,3 +77,12 @@ class Qwen3Next(Qwen3_5):
         for p in sparse + (["mtp.layers.0"] if is_sparse(c, 0) else []):
             stack_experts(state, f"{p}.mlp.experts", c.num_experts, d, c.moe_intermediate_size)
         return state
+
+
+@register("qwen3_5_moe_text", "qwen3_5_moe")
+class Qwen3_5Moe(Qwen3Next):
+    """Qwen3.5-MoE (`qwen3_5_moe_text`, and the vision-language `qwen3_5_moe` layout whose text model we
+    load): Qwen3.5's separate Gated DeltaNet projections and gated attention, the sparse MoE with a
+    sigmoid-gated shared expert on every layer (no dense MLP), zero-centred RMSNorm, and an MTP head
+    whose layer has the MoE block. Experts are stored one by one (`convert` stacks them) or already
+    stacked; the checkpoint's other names are Qwen3.5's (`remap`)."""
