@@ -5,10 +5,16 @@ settings a router refuses."""
 
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 
+from hybridlm.models import load_model
 from hybridlm.models.checkpoint import CheckpointError
 from hybridlm.models.layers import GatedMLP
 from hybridlm.models.moe import (
@@ -234,3 +240,62 @@ def test_impossible_routing_settings_are_a_checkpoint_error(e, k, n_group, topk_
         check_routing(e, k, n_group, topk_group)
     with pytest.raises(CheckpointError, match=message):
         Router(8, e, k, SIGMOID, n_group=n_group, topk_group=topk_group)
+
+
+def copy_checkpoint(src: Path, dst: Path, config=None, tensors=None) -> Path:
+    """`src` copied to `dst`, config.json passed through `config(raw) -> raw` and the single
+    model.safetensors through `tensors(state) -> state`."""
+    shutil.copytree(src, dst)
+    if config is not None:
+        raw = json.loads((dst / "config.json").read_text())
+        (dst / "config.json").write_text(json.dumps(config(raw)))
+    if tensors is not None:
+        file = dst / "model.safetensors"
+        save_file(tensors(load_file(file)), file, metadata={"format": "pt"})
+    return dst
+
+
+# checkpoint name, one sparse layer's experts as saved, the gate / up / down names of an expert
+MOE_CHECKPOINTS = [
+    ("qwen3_5_moe_text", "model.layers.2.mlp.experts", ("gate_proj", "up_proj", "down_proj")),
+    ("lfm2_moe", "model.layers.3.feed_forward.experts", ("w1", "w3", "w2")),
+]
+
+
+@pytest.mark.parametrize(("name", "experts", "names"), MOE_CHECKPOINTS)
+def test_bad_expert_checkpoints_are_refused_with_a_checkpoint_error(checkpoints, tmp_path, name, experts,
+                                                                    names):
+    src = checkpoints(name).path
+    too_many = copy_checkpoint(src, tmp_path / "k", config=lambda raw: raw | {"num_experts_per_tok": 9})
+    with pytest.raises(CheckpointError, match="num_experts_per_tok=9"):
+        load_model(too_many, dtype=torch.float32, device="cpu")
+    up, down = f"{experts}.4.{names[1]}.weight", f"{experts}.4.{names[2]}.weight"
+    gone = copy_checkpoint(src, tmp_path / "gone", tensors=lambda s: {k: v for k, v in s.items() if k != up})
+    with pytest.raises(CheckpointError, match="missing tensor"):
+        load_model(gone, dtype=torch.float32, device="cpu")
+    narrow = lambda s: s | {down: s[down][:, :-1].contiguous()}  # noqa: E731
+    wrong = copy_checkpoint(src, tmp_path / "wrong", tensors=narrow)
+    with pytest.raises(CheckpointError, match="has shape"):
+        load_model(wrong, dtype=torch.float32, device="cpu")
+
+
+@pytest.mark.parametrize(("name", "experts", "names"), MOE_CHECKPOINTS)
+def test_checkpoints_with_stacked_experts_load_to_the_same_model(checkpoints, tmp_path, name, experts, names):
+    """Per-expert tensors (as transformers saves them) and the stacked `gate_up_proj` / `down_proj`
+    layout (as some conversions write them) load to the same weights."""
+    src = checkpoints(name).path
+    per_expert = load_model(src, dtype=torch.float32, device="cpu")
+    c = per_expert.config
+
+    def stacked(state):
+        stack_experts(state, experts, c.num_experts, c.hidden_size, c.moe_intermediate_size, names)
+        assert f"{experts}.gate_up_proj" in state
+        return state
+
+    fused = copy_checkpoint(src, tmp_path / "fused", tensors=stacked)
+    fused = load_model(fused, dtype=torch.float32, device="cpu")
+    want = per_expert.state_dict()
+    got = fused.state_dict()
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        assert torch.equal(v, got[k]), k

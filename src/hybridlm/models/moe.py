@@ -193,7 +193,7 @@ class SparseMoE(nn.Module):
     every token, scaled by sigmoid(`shared_expert_gate`(x)) [N, 1] when `gated_shared`.
 
     `weights_dtype`: the dtype the routing weights multiply the experts' outputs in: "float32"
-    (DeepSeek-V3's kin, LFM2-MoE, Gemma 4) or "activation" (Qwen: transformers rounds them first).
+    (DeepSeek-V3's kin, Gemma 4) or "activation" (Qwen, LFM2-MoE: transformers rounds them first).
     """
 
     def __init__(
