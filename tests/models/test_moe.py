@@ -21,6 +21,7 @@ from hybridlm.models.moe import (
     SIGMOID,
     SOFTMAX,
     Experts,
+    QuantExperts,
     Router,
     SparseMoE,
     check_routing,
@@ -28,6 +29,8 @@ from hybridlm.models.moe import (
     softmax_topk,
     stack_experts,
 )
+from hybridlm.ops.linear import rowwise
+from hybridlm.ops.native import FEW_TOKENS
 
 
 def brute_force_route(
@@ -189,6 +192,71 @@ def test_experts_equal_each_tokens_own_experts_computed_densely():
     got = experts(x, index, weights)
     want = dense_experts_reference(x, experts.gate_up_proj, experts.down_proj, index, weights)
     torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5)
+
+
+def dequantized(experts: QuantExperts) -> tuple[torch.Tensor, torch.Tensor]:
+    """The quantized experts' weights as float64 stacks [E, 2·I, d], [E, d, I]."""
+    gate_up = torch.stack([q.dequantized(torch.float64) for q in experts.gate_up_proj])
+    return gate_up, torch.stack([q.dequantized(torch.float64) for q in experts.down_proj])
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("tokens", [1, FEW_TOKENS, 40])  # decode, a verify pass, a prompt chunk
+def test_quantized_experts_equal_their_dequantized_weights_computed_densely(scheme, tokens):
+    """int8 / int4 experts (through the quantized kernels: decode, few-row and prompt paths) against
+    every token's own experts in float64 on the dequantized weights, bf16 activations."""
+    experts = QuantExperts.from_experts(random_experts(6, 64, 64, seed=5), scheme)
+    assert {q.bits for q in [*experts.gate_up_proj, *experts.down_proj]} == {8 if scheme == "int8" else 4}
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, 64, generator=gen).bfloat16()
+    weights, index = softmax_topk(torch.randn(tokens, 6, generator=gen), 3)
+    got = experts(x, index, weights).double()
+    want = dense_experts_reference(x, *dequantized(experts), index, weights)
+    # bf16 rounding of the activations between the projections and of the output
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-2 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_a_step_reads_only_the_chosen_experts_each_once(quantized):
+    """Unchosen experts' weights set to NaN leave the output finite and unchanged; each chosen expert
+    runs once per forward, whatever the number of its tokens (the 8-row step of a batch)."""
+    experts = random_experts(8, 64, 64, seed=6).bfloat16()
+    if quantized:
+        experts = QuantExperts.from_experts(experts, "int4")
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(8, 64, generator=gen).bfloat16()
+    weights, index = softmax_topk(torch.randn(8, 8, generator=gen), 2)
+    index[:, 0], index[:, 1] = 2, torch.tensor([5, 5, 6, 6, 5, 6, 5, 6])  # experts 2, 5, 6 only
+    want = experts(x, index, weights)
+    calls = []
+    expert = experts.expert
+    experts.expert = lambda e, rows: calls.append(e) or expert(e, rows)
+    with torch.no_grad():
+        for e in (0, 1, 3, 4, 7):
+            if quantized:
+                for q in (experts.gate_up_proj[e], experts.down_proj[e]):
+                    q.scales.fill_(float("nan"))
+            else:
+                experts.gate_up_proj[e].fill_(float("nan"))
+                experts.down_proj[e].fill_(float("nan"))
+    got = experts(x, index, weights)
+    assert torch.equal(got, want) and sorted(calls) == [2, 5, 6]
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_a_tokens_experts_output_does_not_depend_on_the_other_tokens(quantized):
+    """Inside `rowwise` (a packed step of many sequences) each token's output equals its own forward,
+    bit for bit, however many tokens share its experts."""
+    experts = random_experts(5, 64, 64, seed=8).bfloat16()
+    if quantized:
+        experts = QuantExperts.from_experts(experts, "int8")
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(23, 64, generator=gen).bfloat16()
+    weights, index = softmax_topk(torch.randn(23, 5, generator=gen), 2)
+    with rowwise():
+        together = experts(x, index, weights)
+        alone = torch.cat([experts(x[t : t + 1], index[t : t + 1], weights[t : t + 1]) for t in range(23)])
+    assert torch.equal(together, alone)
 
 
 def test_sparse_block_adds_the_sigmoid_gated_shared_expert():

@@ -1,6 +1,7 @@
-"""LFM2-MoE checkpoints: a dense first layer then sparse ones, with odd sizes (3 attention heads over
-1 KV head, 5 experts, top-2), a random `expert_bias` (a buffer, which `randomize` leaves at zero) and a
-routed scaling factor; and a variant without the bias, without renormalisation, tied."""
+"""LFM2-MoE checkpoints: a dense first layer then sparse ones, with odd sizes (4 attention heads over
+1 KV head, 5 experts, top-2; LFM2's head width is hidden / heads, and int4 needs widths of 64), a
+random `expert_bias` (a buffer, which `randomize` leaves at zero) and a routed scaling factor; and a
+variant without the bias, without renormalisation, tied."""
 
 from __future__ import annotations
 
@@ -14,12 +15,13 @@ def config(layer_types: list[str], **kw):
 
     base = dict(
         vocab_size=VOCAB,
-        hidden_size=48,
-        intermediate_size=72,
-        moe_intermediate_size=24,
+        # widths of 64: int4 (groups of 64) applies to the experts and the projections
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=64,
         num_hidden_layers=len(layer_types),
         layer_types=layer_types,
-        num_attention_heads=3,
+        num_attention_heads=4,
         num_key_value_heads=1,
         num_dense_layers=1,
         num_experts=5,

@@ -1,6 +1,7 @@
 """Qwen3.5-MoE checkpoints: the text-only layout (`qwen3_5_moe_text`) and the vision-language layout
 (`qwen3_5_moe`), with odd sizes: 3 attention heads over 1 KV head, 3 value heads on 1 key head in the
-Gated DeltaNet, 6 experts (not a power of two), top-3."""
+Gated DeltaNet, 6 experts (not a power of two), top-3; hidden and expert widths of 64 so int4
+quantization covers the experts."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ def text_config(tie: bool, layer_types: list[str], **kw):
 
     base = dict(
         vocab_size=VOCAB,
-        hidden_size=48,
+        hidden_size=64,
         num_hidden_layers=len(layer_types),
         layer_types=layer_types,
         num_attention_heads=3,
@@ -29,7 +30,8 @@ def text_config(tie: bool, layer_types: list[str], **kw):
         linear_conv_kernel_dim=4,
         num_experts=6,
         num_experts_per_tok=3,
-        moe_intermediate_size=24,
+        # widths of 64: int4 (groups of 64) applies to both expert projections
+        moe_intermediate_size=64,
         shared_expert_intermediate_size=40,
         tie_word_embeddings=tie,
         max_position_embeddings=4096,
@@ -55,7 +57,7 @@ def vision_language(out):
         hidden_size=32,
         intermediate_size=64,
         num_heads=2,
-        out_hidden_size=48,
+        out_hidden_size=64,
         patch_size=4,
         temporal_patch_size=2,
         spatial_merge_size=2,

@@ -12,11 +12,15 @@ Routers (each returns routing weights [N, k] float32 and expert ids [N, k]):
   `routed_scaling_factor` (DeepSeek-V3, Kimi Linear, Ling, LFM2-MoE).
 
 `Router` holds a router's weight (`gate.weight` [E, d] in the checkpoints) and its bias buffer;
-`SparseMoE` joins a router, `Experts` and an optional shared expert (sigmoid-gated where the family
-says) under the checkpoints' attribute names.
+`SparseMoE` joins a router, `Experts` (or their int8 / int4 form, `QuantExperts`) and an optional
+shared expert (sigmoid-gated where the family says) under the checkpoints' attribute names. Routers
+are not linear layers: quantizing a model leaves them in its dtype (their logits make discrete
+choices).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -25,8 +29,45 @@ from hybridlm.models.checkpoint import CheckpointError, take
 from hybridlm.models.layers import ACTIVATIONS
 from hybridlm.ops.elementwise import elementwise_rows
 from hybridlm.ops.linear import Linear, linear
+from hybridlm.ops.quant import INT4_GROUP, QuantLinear
 
 SOFTMAX, SIGMOID = "softmax", "sigmoid"
+
+
+def dispatch(
+    x: torch.Tensor,
+    index: torch.Tensor,
+    weights: torch.Tensor,
+    expert: Callable[[int, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """Routed experts over tokens: x [N, d], index / weights [N, k] (expert ids; routing weights,
+    float32 or x's dtype: each expert's output is multiplied in that dtype), `expert(e, rows)` the
+    output [n, d] of expert e on rows [n, d] -> [N, d] in x's dtype.
+
+    Tokens are grouped by expert and only the experts some token selected run, each once over all
+    its tokens: at decode that reads exactly the k selected experts' weights, in a batched step or a
+    prompt chunk each chosen expert's weights once. A token's result does not depend on the other
+    tokens: its row of each expert's products is computed as the kernels compute a row (alone, or
+    inside `rowwise` in groups that give the same bits), and its k outputs are added in expert order.
+    """
+    k = index.shape[1]
+    flat = index.reshape(-1)
+    order = flat.argsort(stable=True)
+    hit, sizes = torch.unique_consecutive(flat[order], return_counts=True)
+    tokens = order // k
+    w = weights.reshape(-1)[order, None]
+    # Each expert's output is weighted in the routing weights' dtype, the k of a token summed in
+    # float32 and rounded once (transformers' default grouped_mm path does the same).
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    start = 0
+    for e, n in zip(hit.tolist(), sizes.tolist(), strict=True):
+        rows = tokens[start : start + n]
+        y = expert(e, x[rows])
+        # index_put_ accumulates serially: index_add_ opens a parallel region per expert, which
+        # cost milliseconds per call on a loaded 2-core machine. Either adds once per row.
+        out.index_put_((rows,), (y * w[start : start + n]).float(), accumulate=True)
+        start += n
+    return out.to(x.dtype)
 
 
 class Experts(nn.Module):
@@ -35,39 +76,61 @@ class Experts(nn.Module):
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, act: str):
         super().__init__()
-        self.num_experts = num_experts
+        self.num_experts, self.act_name = num_experts, act
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
         self.act = ACTIVATIONS[act]
 
     def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x [N, d], index / weights [N, k] (expert ids; routing weights, float32 or x's dtype: each
-        expert's output is multiplied in that dtype) -> [N, d] in x's dtype.
+        """x [N, d], index / weights [N, k] -> [N, d] (see `dispatch`). Each expert runs as one matmul
+        per projection over its tokens on a view of its weights (`ops.linear.linear`, so few-token
+        bf16 calls take the decode kernel)."""
+        return dispatch(x, index, weights, self.expert)
 
-        Tokens are grouped by expert and only the experts some token selected run, each as one
-        matmul over its tokens on a view of its weights (`ops.linear.linear`, so few-token bf16
-        calls take the decode kernel): at decode that reads exactly the k selected experts'
-        weights once.
-        """
-        k = index.shape[1]
-        flat = index.reshape(-1)
-        order = flat.argsort(stable=True)
-        hit, sizes = torch.unique_consecutive(flat[order], return_counts=True)
-        tokens = order // k
-        w = weights.reshape(-1)[order, None]
-        # Each expert's output is weighted in the routing weights' dtype, the k of a token summed in
-        # float32 and rounded once (transformers' default grouped_mm path does the same).
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        start = 0
-        for e, n in zip(hit.tolist(), sizes.tolist(), strict=True):
-            rows = tokens[start : start + n]
-            gate, up = linear(x[rows], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = linear(elementwise_rows(self.act, gate) * up, self.down_proj[e])
-            # index_put_ accumulates serially: index_add_ opens a parallel region per expert, which
-            # cost milliseconds per call on a loaded 2-core machine. Either adds once per row.
-            out.index_put_((rows,), (y * w[start : start + n]).float(), accumulate=True)
-            start += n
-        return out.to(x.dtype)
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert e on rows x [n, d] -> [n, d]."""
+        gate, up = linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
+        return linear(elementwise_rows(self.act, gate) * up, self.down_proj[e])
+
+
+class QuantExperts(nn.Module):
+    """Routed experts with int8 / int4 weights: per expert a `QuantLinear` in `gate_up_proj[e]`
+    ([2·I, d], gate rows first) and `down_proj[e]` ([d, I]), so every path of the quantized linear
+    layers serves them (the decode kernels on a token's experts, int8-activation GEMMs on prompt
+    chunks, row groups inside `rowwise`). A quantized checkpoint names their tensors
+    `experts.gate_up_proj.{e}.qweight` / `.scales` and likewise for `down_proj`."""
+
+    def __init__(self, gate_up: list[QuantLinear], down: list[QuantLinear], act: str):
+        super().__init__()
+        self.num_experts, self.act_name = len(gate_up), act
+        self.gate_up_proj = nn.ModuleList(gate_up)
+        self.down_proj = nn.ModuleList(down)
+        self.act = ACTIVATIONS[act]
+
+    @classmethod
+    @torch.no_grad()
+    def from_experts(cls, experts: Experts, scheme: str, group_size: int = INT4_GROUP) -> QuantExperts:
+        """`experts` quantized by `scheme` ("int8" / "int4"; a projection whose input width is not a
+        multiple of `group_size` gets int8, as `ops.quant.quantize_` does for linear layers)."""
+
+        def quantized(w: torch.Tensor) -> QuantLinear:
+            layer = nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")
+            layer.weight = nn.Parameter(w, requires_grad=False)
+            fits = scheme == "int8" or w.shape[1] % group_size == 0
+            return QuantLinear.from_linear(layer, scheme if fits else "int8", group_size)
+
+        gate_up = [quantized(experts.gate_up_proj[e]) for e in range(experts.num_experts)]
+        down = [quantized(experts.down_proj[e]) for e in range(experts.num_experts)]
+        return cls(gate_up, down, experts.act_name)
+
+    def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [N, d], index / weights [N, k] -> [N, d] (see `dispatch`)."""
+        return dispatch(x, index, weights, self.expert)
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert e on rows x [n, d] -> [n, d]."""
+        gate, up = self.gate_up_proj[e](x).chunk(2, dim=-1)
+        return self.down_proj[e](elementwise_rows(self.act, gate) * up)
 
 
 def softmax_topk(
