@@ -24,7 +24,9 @@ from hybridlm.ops.native import FEW_TOKENS
 PACKING = [
     "qwen3_5_text",
     "qwen3_next",
+    "qwen3_5_moe_text",
     "lfm2",
+    "lfm2_moe",
     "gemma3_text",
     "gemma4_text",
     "gemma4_text_tied",
@@ -49,7 +51,9 @@ STEPS = [
 # mixers one by one while the decode rows share the packed kernels (`layers.per_segment`).
 MIXED_STEP = [(1, 1, "last"), (0, 30, "last"), (3, 1, "last"), (2, 18, "all")]
 # The families whose mixers have packed kernels (`Attention`, `GatedDeltaNet`, LFM2's `ShortConv`).
-PACKED_MIXERS = ["qwen3_5_text", "qwen3_next", "lfm2", "gemma3_text", "dense_llama"]
+PACKED_MIXERS = [
+    "qwen3_5_text", "qwen3_next", "qwen3_5_moe_text", "lfm2", "lfm2_moe", "gemma3_text", "dense_llama",
+]
 
 
 def tokens(rng: random.Random, n: int) -> list[int]:

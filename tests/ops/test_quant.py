@@ -55,7 +55,8 @@ def _reference(q: QuantLinear, x: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 @pytest.mark.parametrize("scheme", KERNEL_SCHEMES)
 @pytest.mark.parametrize("rows", [1, 3, 6, FEW_TOKENS])
 # out: several int4 panels and a short last one, one short panel, whole panels; several groups
-@pytest.mark.parametrize("shape", [(37, 128), (8, 192), (64, 256)])
+# whole panels and a short last one (even and odd counts of whole panels: one-row calls tile panels in pairs)
+@pytest.mark.parametrize("shape", [(37, 128), (22, 128), (8, 192), (64, 256)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_decode_kernel_equals_float64_reference_rounded_once(scheme, rows, shape, bias, isa):
     q = _quantized(_layer(*shape, bias), scheme)
@@ -70,7 +71,7 @@ def test_decode_kernel_equals_float64_reference_rounded_once(scheme, rows, shape
 
 @needs_kernels
 @pytest.mark.parametrize("rows", [1, 3])
-@pytest.mark.parametrize("out", [48, 37])  # whole panels; a short last panel
+@pytest.mark.parametrize("out", [48, 37, 22])  # whole panels; a short last panel after 2 / 1 whole ones
 def test_int4_kernel_reads_nothing_past_the_packed_weight(rows, out, isa):
     """The tiles read each block again 1..3 bytes further on (quant.c): a weight that ends where an
     unreadable page begins is computed without a fault, as the reference."""
