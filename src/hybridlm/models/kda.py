@@ -17,11 +17,17 @@ from hybridlm.models.layers import GatedMLP, per_segment, rope_tables
 from hybridlm.models.qwen3_next import Experts
 from hybridlm.ops.attention import attention
 from hybridlm.ops.conv import causal_conv1d
+from hybridlm.ops.elementwise import elementwise_rows, token_rows
 from hybridlm.ops.kda import kda_rule
-from hybridlm.ops.linear import Linear
+from hybridlm.ops.linear import Linear, linear
 from hybridlm.ops.native import FEW_TOKENS
 from hybridlm.ops.norms import RMSNorm, SigmoidGatedRMSNorm
 from hybridlm.ops.rope import Rotary, apply_rotary
+
+
+def _softplus(x: torch.Tensor) -> torch.Tensor:
+    """log(1 + exp(x)), taken as x above 20 (transformers' form for Kimi's gate)."""
+    return torch.where(x > 20.0, x, torch.log(1.0 + torch.exp(x)))
 
 
 class KimiGate(nn.Module):
@@ -39,8 +45,8 @@ class KimiGate(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, L, d] -> log decay [B, L, H, Dk] float32."""
         b, length, _ = x.shape
-        g = (self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()).view(b, length, self.heads, -1)
-        softplus = torch.where(g > 20.0, g, torch.log(1.0 + torch.exp(g)))
+        g = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()
+        softplus = elementwise_rows(_softplus, g).view(b, length, self.heads, -1)
         return -torch.exp(self.A_log.float()) * softplus
 
 
@@ -64,7 +70,10 @@ class SafeGate(nn.Module):
         shape = (b, length, self.heads, self.head_dim)
         g = self.f_proj(x).float().view(shape) + self.dt_bias.view(1, 1, self.heads, self.head_dim)
         rate = self.A_log.exp().view(1, 1, self.heads, 1)
-        g = self.lower_bound * torch.sigmoid(rate * g) if self.safe else -rate * F.softplus(g)
+        if self.safe:
+            g = self.lower_bound * elementwise_rows(torch.sigmoid, (rate * g).flatten(2)).view(shape)
+        else:
+            g = -rate * elementwise_rows(F.softplus, g.flatten(2)).view(shape)
         return g.to(x.dtype)
 
 
@@ -105,10 +114,11 @@ class KimiDeltaAttention(nn.Module):
         b, length, _ = x.shape
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         g = self.gate(x).float().reshape(b, length, self.dim)
-        beta = torch.sigmoid(self.b_proj(x)).float()  # rounded to x's dtype first, as transformers
+        # beta is rounded to x's dtype before the scan takes it in float32, as in transformers
+        beta = elementwise_rows(torch.sigmoid, self.b_proj(x)).float()
         gates = torch.cat([g, beta], dim=-1)
         o = per_segment(batch, cache, self.scan, qkv, gates)
-        o = self.o_norm(o, self.out_gate(x).view(b, length, self.heads, self.head_dim))
+        o = token_rows(self.o_norm, o, self.out_gate(x).view(b, length, self.heads, self.head_dim))
         return self.o_proj(o.reshape(b, length, self.dim))
 
     def mix(self, qkv, gates, conv_tail, state, query_lens=None, splits=(), inplace=False):
@@ -203,7 +213,7 @@ class LatentAttention(nn.Module):
         o = per_segment(batch, cache, self.attend, q, latent, k_rot, dim=2)  # [B, H, L, v]
         o = o.transpose(1, 2)
         if self.g_proj is not None:
-            o = o * torch.sigmoid(self.g_proj(x).float()).to(x.dtype)[..., None]
+            o = o * elementwise_rows(torch.sigmoid, self.g_proj(x).float()).to(x.dtype)[..., None]
         return self.o_proj(o.reshape(b, length, -1))
 
     def attend(self, batch: Batch, cache: LatentCache, q, latent, k_rot, absorbed: bool | None = None):
@@ -247,7 +257,7 @@ class TopkRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, d] -> (weights [N, k] float32, index [N, k])."""
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        scores = elementwise_rows(torch.sigmoid, linear(x.float(), self.weight.float()))
         choice = scores + self.e_score_correction_bias.float()
         n, e = choice.shape
         groups = choice.view(n, self.n_group, e // self.n_group).topk(2, dim=-1)[0].sum(-1)
