@@ -221,7 +221,8 @@ class LatentAttention(nn.Module):
         [B, H, L, v] after `cache` took the rows. `absorbed` None picks the form by query count."""
         lat, rot, key_start = cache.update_latent(batch, latent, k_rot)
         if absorbed is None:
-            absorbed = q.shape[2] <= FEW_TOKENS and self.kv_b_proj.weight.is_floating_point()
+            # The absorbed form reads kv_b_proj's float weight; a quantized one expands.
+            absorbed = q.shape[2] <= FEW_TOKENS and isinstance(self.kv_b_proj, nn.Linear)
         if absorbed:
             return self._absorbed(batch, q, lat, rot, key_start)
         b, _, t, _ = lat.shape
