@@ -75,6 +75,7 @@ def attention_scale(c: Config, rope: dict) -> float:
 @register("bailing_hybrid")
 class BailingHybrid(CausalLM):
     packs = True
+    keep_float32 = (".conv1d.weight", ".gate.dt_bias", ".gate.A_log", ".e_score_correction_bias")
 
     def __init__(self, config: Config):
         super().__init__()

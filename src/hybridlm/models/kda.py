@@ -284,7 +284,9 @@ class RoutedMoE(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         weights, index = self.gate(flat)
-        out = self.experts(flat, index, weights.to(x.dtype)).view(shape)
+        # float32 weights: each expert's output is weighted in float32 (as transformers' grouped_mm
+        # path does for DeepSeek-style routers, whose weights stay float32), summed, rounded once.
+        out = self.experts(flat, index, weights).view(shape)
         return out + self.shared_experts(x)
 
 
