@@ -213,11 +213,12 @@ def damaged_copy(src, dst, drop: str | None = None, config: dict | None = None):
         ("bailing_hybrid", "model.layers.1.mlp.experts.5.down_proj.weight", None, "experts.5.down_proj"),
         ("kimi_linear", None, {"kv_lora_rank": 24}, "kv_a_proj_with_mqa"),
         ("bailing_hybrid", None, {"num_experts_per_token": 9}, "top-k 9 of 6"),
+        ("kimi_linear", None, {"q_lora_rank": 16}, "q_lora_rank"),
     ],
 )
 def test_bad_checkpoints_are_refused_whole(checkpoints, tmp_path, name, drop, config, message):
     """A missing expert tensor, an MLA rank that disagrees with the weights, a top-k above the expert
-    count: a `CheckpointError` naming the problem, and no model."""
+    count, a query path this implementation lacks: a `CheckpointError` naming the problem, no model."""
     from hybridlm.models import load_model
 
     path = damaged_copy(checkpoints(name).path, tmp_path / "ckpt", drop, config)

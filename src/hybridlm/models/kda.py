@@ -13,8 +13,9 @@ from torch import nn
 
 from hybridlm.batch import Batch
 from hybridlm.cache import LatentCache, RecurrentCache
+from hybridlm.models.checkpoint import CheckpointError
 from hybridlm.models.layers import GatedMLP, per_segment, rope_tables
-from hybridlm.models.qwen3_next import Experts
+from hybridlm.models.qwen3_next import Experts, take
 from hybridlm.ops.attention import attention
 from hybridlm.ops.conv import causal_conv1d
 from hybridlm.ops.elementwise import elementwise_rows, token_rows
@@ -314,8 +315,6 @@ def feed_forward(c, kind: str) -> nn.Module:
 def routed_moe(c) -> RoutedMoE:
     """The MoE block of config `c` (hidden_size, moe_intermediate_size, routed_scaling_factor and the
     fields of `moe_settings`); a top-k above the expert count is a `CheckpointError`."""
-    from hybridlm.models.checkpoint import CheckpointError
-
     m = moe_settings(c)
     if m["top_k"] > m["experts"] or m["experts"] % m["n_group"] or m["topk_group"] > m["n_group"]:
         raise CheckpointError(
@@ -335,8 +334,6 @@ def stack_experts(
     """Replace the per-expert tensors `{prefix}.{e}.{gate,up,down}.weight` (names as the checkpoint
     spells them) with the stacked `gate_up_proj` [E, 2·I, d] and `down_proj` [E, d, I] of `Experts`;
     a missing or mis-shaped one is a `CheckpointError`."""
-    from hybridlm.models.qwen3_next import take
-
     if f"{prefix}.0.{names[0]}.weight" not in state:
         return
     gate, up, down = (
@@ -349,8 +346,6 @@ def stack_experts(
 
 def join_convs(state: dict, prefix: str, dim: int, kernel: int) -> None:
     """The q / k / v depthwise conv weights [dim, 1, K] as one conv over q‖k‖v ([3·dim, 1, K])."""
-    from hybridlm.models.qwen3_next import take
-
     if f"{prefix}.q_conv1d.weight" in state:
         parts = [take(state, f"{prefix}.{n}_conv1d.weight", (dim, 1, kernel)) for n in "qkv"]
         state[f"{prefix}.conv1d.weight"] = torch.cat(parts)

@@ -15,6 +15,7 @@ from __future__ import annotations
 from torch import nn
 
 from hybridlm.models.base import CausalLM, Config, register
+from hybridlm.models.checkpoint import CheckpointError
 from hybridlm.models.kda import (
     KimiDeltaAttention,
     KimiGate,
@@ -68,6 +69,8 @@ class KimiLinear(CausalLM):
     def __init__(self, config: Config):
         super().__init__()
         self.config = c = config
+        if c.get("q_lora_rank"):
+            raise CheckpointError("kimi_linear with a low-rank query path (q_lora_rank) is not supported")
         d, eps = c.hidden_size, c.rms_norm_eps
         heads, head_dim, kernel = linear_attn(c)
         self.model = nn.Module()
