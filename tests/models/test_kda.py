@@ -224,3 +224,22 @@ def test_bad_checkpoints_are_refused_whole(checkpoints, tmp_path, name, drop, co
     path = damaged_copy(checkpoints(name).path, tmp_path / "ckpt", drop, config)
     with pytest.raises(CheckpointError, match=message):
         load_model(path, dtype=torch.float32, device="cpu")
+
+
+@torch.no_grad()
+def test_kda_logs_per_token_the_pre_conv_rows_and_float32_decay_and_beta():
+    """What a KDA range snapshot holds per token (and counts in `nbytes`): the pre-conv q‖k‖v row in
+    the activation dtype and the post-gate decay‖β row in float32, beside one conv tail and state."""
+    layer = kda_layer("kimi").to(torch.bfloat16)
+    cache = layer.make_cache(1, torch.bfloat16, "cpu")
+    cache.prepare_snapshots([11], ranges=True)
+    layer(inputs(11).to(torch.bfloat16), Batch.single([1] * 11), cache)
+    (snap,) = cache.take_snapshots()
+    heads, dim = 3, 8
+    assert snap.inputs.shape == (1, 11, 3 * heads * dim) and snap.inputs.dtype == torch.bfloat16
+    assert snap.gates.shape == (1, 11, heads * dim + heads) and snap.gates.dtype == torch.float32
+    assert (snap.gates[..., : heads * dim] < 0).all() and ((snap.gates[..., heads * dim :] > 0).all())
+    per_token = 3 * heads * dim * 2 + (heads * dim + heads) * 4
+    checkpoint = 3 * 3 * heads * dim * 2 + heads * dim * dim * 4
+    assert snap.nbytes == 11 * per_token + checkpoint
+    snap.free()
