@@ -31,7 +31,8 @@ class Experts(nn.Module):
         self.act = ACTIVATIONS[act]
 
     def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x [N, d], index / weights [N, k] (expert ids, routing weights in x's dtype) -> [N, d].
+        """x [N, d], index / weights [N, k] (expert ids; routing weights in x's dtype, or float32 to
+        weight each expert's output in float32) -> [N, d].
 
         Tokens are grouped by expert and only the experts some token selected run, each as one
         matmul over its tokens on a view of its weights (`ops.linear.linear`, so few-token bf16
