@@ -15,8 +15,6 @@ products unchanged), so the shared rotate-half kernel applies.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
@@ -63,15 +61,6 @@ def linear_attn(c: Config) -> tuple[int, int, int]:
     )
 
 
-def attention_scale(c: Config, rope: dict) -> float:
-    """qk_head_dim^-0.5, times yarn's mscale² where the rope config asks for it (DeepSeek-V3)."""
-    scale = (c.qk_nope_head_dim + c.qk_rope_head_dim) ** -0.5
-    if rope.get("rope_type") == "yarn" and rope.get("mscale_all_dim"):
-        m = 0.1 * rope["mscale_all_dim"] * math.log(rope["factor"]) + 1.0
-        scale *= m * m
-    return scale
-
-
 @register("bailing_hybrid")
 class BailingHybrid(CausalLM):
     packs = True
@@ -82,6 +71,8 @@ class BailingHybrid(CausalLM):
         self.config = c = config
         d, eps = c.hidden_size, c.rms_norm_eps
         heads, head_dim, kernel = linear_attn(c)
+        # Published Ling 3.0 configs use default rotary; a yarn config (which would also scale the
+        # softmax by mscale²) is refused by `inv_freq_from_params`.
         rope = c.get_rope(default_theta=c.get("rope_theta", 6_000_000.0))
         self.rotary = Rotary(*inv_freq_from_params(c.qk_rope_head_dim, rope))
         self.model = nn.Module()
@@ -96,8 +87,8 @@ class BailingHybrid(CausalLM):
             else:
                 mixer = LatentAttention(
                     d, c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim,
-                    c.kv_lora_rank, eps, self.rotary, attention_scale(c, rope), head_gate=True,
-                    bias=c.get("attention_bias", False),
+                    c.kv_lora_rank, eps, self.rotary, (c.qk_nope_head_dim + c.qk_rope_head_dim) ** -0.5,
+                    head_gate=True, bias=c.get("attention_bias", False),
                 )
             mlp = feed_forward(c, mlp_kind)
             self.model.layers.append(DecoderLayer("attention", mixer, mlp, RMSNorm, d, eps))
