@@ -300,6 +300,30 @@ def test_response_store_is_bounded_by_count_and_bytes():
     assert store.delete("big") and not store.delete("big") and store.bytes == 0
 
 
+def test_replicas_share_stored_responses_through_the_store(tmp_path):
+    """Two servers' stores on one real redis-server (`--cache-store`): what one stores the other
+    finds, a delete on either deletes it for both, and with the store down each serves its own."""
+    from hybridlm.cluster import StoreServer
+    from hybridlm.prefix.store import StoreTier
+
+    server = StoreServer(tmp_path).start()
+    tiers = [StoreTier(server.url, "model-a", retry_s=0.0) for _ in range(2)]
+    try:
+        a, b = (ResponseStore(shared=t) for t in tiers)
+        history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+        a.put({"id": "resp_1", "output": []}, history)
+        got = b.get("resp_1")
+        assert got is not None and got.history == history and got.response["id"] == "resp_1"
+        assert ResponseStore(shared=StoreTier(server.url, "model-b")).get("resp_1") is None  # per model
+        assert b.delete("resp_1") and a.get("resp_1") is None and not a.delete("resp_1")
+        a.put({"id": "resp_2"}, history)
+        server.stop()
+        assert a.get("resp_2") is not None  # its own copy, while the store does not answer
+        assert b.get("resp_2") is None
+    finally:
+        server.stop()
+
+
 def test_tokenize_and_detokenize_in_vllms_shapes(server, auth, tokenizer):
     messages = unique("Count me")
     r = httpx.post(
