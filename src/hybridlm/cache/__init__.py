@@ -2,13 +2,14 @@
 
 from hybridlm.cache.base import LayerCache, Snapshot
 from hybridlm.cache.kv import AttentionHistory, KVCache, RowsSnapshot, SlidingKVCache
-from hybridlm.cache.recurrent import ConvCache, RecurrentCache, RecurrentHistory, ScanSnapshot
+from hybridlm.cache.recurrent import ConvCache, Mamba2Cache, RecurrentCache, RecurrentHistory, ScanSnapshot
 
 __all__ = [
     "AttentionHistory",
     "ConvCache",
     "KVCache",
     "LayerCache",
+    "Mamba2Cache",
     "RecurrentCache",
     "RecurrentHistory",
     "RowsSnapshot",

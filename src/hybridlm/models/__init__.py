@@ -1,6 +1,7 @@
 """Model families, built from ops and caches, loaded from Hugging Face checkpoint directories."""
 
 from hybridlm.models import (
+    bamba,  # noqa: F401 - registers its model types
     dense,  # noqa: F401 - registers its model types
     gemma3,  # noqa: F401 - registers its model types
     gemma4,  # noqa: F401 - registers its model types
