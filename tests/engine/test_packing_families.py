@@ -14,7 +14,8 @@ from hybridlm.speculative import NgramDrafter, Speculator
 from tests.engine.test_batching import run_together
 from tests.engine.test_batching_machine import run_machine
 
-FAMILIES = ["qwen3_5_text", "qwen3_next", "lfm2", "gemma3_text", "gemma4_text", "gemma4_moe", "dense_qwen3"]
+FAMILIES = ["qwen3_5_text", "qwen3_next", "lfm2", "gemma3_text", "gemma4_text", "gemma4_moe", "dense_qwen3",
+            "bamba"]
 
 
 def jobs() -> list[tuple[list[int], SamplingParams]]:

@@ -32,6 +32,7 @@ PACKING = [
     "gemma4_vl",
     "dense_qwen3",
     "dense_llama",
+    "bamba",
 ]
 
 # Prompt lengths: the longest runs past the Gemma sliding windows (12 and 16 tokens).
@@ -49,7 +50,7 @@ STEPS = [
 # mixers one by one while the decode rows share the packed kernels (`layers.per_segment`).
 MIXED_STEP = [(1, 1, "last"), (0, 30, "last"), (3, 1, "last"), (2, 18, "all")]
 # The families whose mixers have packed kernels (`Attention`, `GatedDeltaNet`, LFM2's `ShortConv`).
-PACKED_MIXERS = ["qwen3_5_text", "qwen3_next", "lfm2", "gemma3_text", "dense_llama"]
+PACKED_MIXERS = ["qwen3_5_text", "qwen3_next", "lfm2", "gemma3_text", "dense_llama", "bamba"]
 
 
 def tokens(rng: random.Random, n: int) -> list[int]:
