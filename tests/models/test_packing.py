@@ -33,6 +33,7 @@ PACKING = [
     "dense_qwen3",
     "dense_llama",
     "bamba",
+    "granitemoehybrid",
 ]
 
 # Prompt lengths: the longest runs past the Gemma sliding windows (12 and 16 tokens).

@@ -5,6 +5,7 @@ from hybridlm.models import (
     dense,  # noqa: F401 - registers its model types
     gemma3,  # noqa: F401 - registers its model types
     gemma4,  # noqa: F401 - registers its model types
+    granitemoehybrid,  # noqa: F401 - registers its model types
     lfm2,  # noqa: F401 - registers its model types
     qwen3_5,  # noqa: F401 - registers its model types
     qwen3_next,  # noqa: F401 - registers its model types

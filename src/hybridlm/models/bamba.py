@@ -26,9 +26,10 @@ RENAMES = [
 
 
 def time_step_limit(c: Config) -> tuple[float, float]:
-    """Δ's clamp; absent or null in the config means none."""
+    """Δ's clamp; absent or null in the config means none. transformers 5 writes a non-finite bound
+    as ``{"__float__": "Infinity"}`` (JSON has no infinity), older configs as the literal ``Infinity``."""
     limit = c.get("time_step_limit") or (0.0, math.inf)
-    return float(limit[0]), float(limit[1])
+    return tuple(float(v["__float__"] if isinstance(v, dict) else v) for v in limit)
 
 
 @register("bamba")
