@@ -162,7 +162,7 @@ def test_snapshot_bytes_and_store_round_trip(layer):
 
 
 # ---- the families against transformers ------------------------------------------------------------
-MAMBA2_FAMILIES = ["bamba", "granitemoehybrid"]
+MAMBA2_FAMILIES = ["bamba", "granitemoehybrid", "nemotron_h"]
 
 
 def ids_for(n: int, seed: int) -> list[int]:
@@ -213,4 +213,29 @@ def test_bad_checkpoints_are_refused_naming_the_tensor(checkpoints, tmp_path):
     del tensors["model.layers.2.mamba.A_log"]
     save_file(tensors, file, metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=r"missing tensor 'model\.layers\.2\.mamba\.A_log'"):
+        load_model(missing, dtype=torch.float32, device="cpu")
+
+
+def test_nemotron_h_refuses_an_unknown_layer_letter_and_a_missing_expert(checkpoints, tmp_path):
+    """A pattern letter outside M * E - is a CheckpointError naming it; so is a checkpoint missing one
+    expert's tensor (published checkpoints store experts one by one)."""
+    src = checkpoints("nemotron_h").path
+    odd = tmp_path / "letter"
+    shutil.copytree(src, odd)
+    raw = json.loads((odd / "config.json").read_text())
+    raw.pop("layers_block_type")
+    raw["hybrid_override_pattern"] = "M*X-M"
+    (odd / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(CheckpointError, match="unknown layer letter 'X'"):
+        load_model(odd, dtype=torch.float32, device="cpu")
+
+    from safetensors.torch import load_file, save_file
+
+    missing = tmp_path / "expert"
+    shutil.copytree(src, missing)
+    (file,) = missing.glob("*.safetensors")
+    tensors = load_file(file)
+    del tensors["backbone.layers.2.mixer.experts.5.down_proj.weight"]
+    save_file(tensors, file, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"model\.layers\.2\.mixer\.experts\.5\.down_proj"):
         load_model(missing, dtype=torch.float32, device="cpu")

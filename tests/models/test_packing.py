@@ -34,6 +34,7 @@ PACKING = [
     "dense_llama",
     "bamba",
     "granitemoehybrid",
+    "nemotron_h",
 ]
 
 # Prompt lengths: the longest runs past the Gemma sliding windows (12 and 16 tokens).

@@ -4,10 +4,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.oracles import bamba, dense, gemma3, gemma4, granitemoehybrid, lfm2, mtp, qwen3_5, qwen3_next
+from tests.oracles import (
+    bamba,
+    dense,
+    gemma3,
+    gemma4,
+    granitemoehybrid,
+    lfm2,
+    mtp,
+    nemotron_h,
+    qwen3_5,
+    qwen3_next,
+)
 from tests.oracles.common import Checkpoint
 
-MODULES = [qwen3_5, qwen3_next, lfm2, gemma3, gemma4, dense, mtp, bamba, granitemoehybrid]
+MODULES = [qwen3_5, qwen3_next, lfm2, gemma3, gemma4, dense, mtp, bamba, granitemoehybrid, nemotron_h]
 BUILDERS = {name: fn for m in MODULES for name, fn in m.BUILDERS.items()}
 REPRESENTATIVE = [name for m in MODULES for name in m.REPRESENTATIVE]
 

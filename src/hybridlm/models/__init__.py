@@ -7,6 +7,7 @@ from hybridlm.models import (
     gemma4,  # noqa: F401 - registers its model types
     granitemoehybrid,  # noqa: F401 - registers its model types
     lfm2,  # noqa: F401 - registers its model types
+    nemotron_h,  # noqa: F401 - registers its model types
     qwen3_5,  # noqa: F401 - registers its model types
     qwen3_next,  # noqa: F401 - registers its model types
 )
