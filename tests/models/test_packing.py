@@ -33,7 +33,7 @@ PACKING = [
     "dense_qwen3",
     "dense_llama",
     "bamba",
-    "granitemoehybrid",
+    "granitemoehybrid_moe",
     "nemotron_h",
 ]
 

@@ -1,6 +1,6 @@
-"""Granite 4.0-H checkpoints, dense (`num_local_experts` = 0): Mamba-2 layers (3 groups of 2 heads,
-chunk 16) around attention, with every µP multiplier away from 1, one with RoPE and one without
-positional encoding (as Granite 4.0-H ships)."""
+"""Granite 4.0-H checkpoints: dense (`num_local_experts` = 0, Micro) with Mamba-2 layers (3 groups of 2
+heads, chunk 16) around attention, every µP multiplier away from 1 and no positional encoding (as
+Granite 4.0-H ships); dense with RoPE; and MoE (5 experts, top 2, beside the shared MLP)."""
 
 from __future__ import annotations
 
@@ -60,5 +60,13 @@ def dense_rope(out):
     return save(GraniteMoeHybridForCausalLM(cfg), out, "granitemoehybrid_rope")
 
 
-BUILDERS = {"granitemoehybrid": dense, "granitemoehybrid_rope": dense_rope}
-REPRESENTATIVE = ["granitemoehybrid"]
+def moe(out):
+    from transformers import GraniteMoeHybridForCausalLM
+
+    torch.manual_seed(0)
+    cfg = config(num_local_experts=5, num_experts_per_tok=2, intermediate_size=24, tie_word_embeddings=False)
+    return save(GraniteMoeHybridForCausalLM(cfg), out, "granitemoehybrid_moe")
+
+
+BUILDERS = {"granitemoehybrid": dense, "granitemoehybrid_rope": dense_rope, "granitemoehybrid_moe": moe}
+REPRESENTATIVE = ["granitemoehybrid_moe"]  # its layers hold everything the dense ones do
