@@ -162,7 +162,7 @@ def test_snapshot_bytes_and_store_round_trip(layer):
 
 
 # ---- the families against transformers ------------------------------------------------------------
-MAMBA2_FAMILIES = ["bamba", "granitemoehybrid_moe", "nemotron_h"]
+MAMBA2_FAMILIES = ["bamba", "granitemoehybrid_moe", "nemotron_h", "falcon_h1"]
 
 
 def ids_for(n: int, seed: int) -> list[int]:

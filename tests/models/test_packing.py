@@ -35,6 +35,7 @@ PACKING = [
     "bamba",
     "granitemoehybrid_moe",
     "nemotron_h",
+    "falcon_h1",
 ]
 
 # Prompt lengths: the longest runs past the Gemma sliding windows (12 and 16 tokens).

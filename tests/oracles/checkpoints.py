@@ -7,6 +7,7 @@ from pathlib import Path
 from tests.oracles import (
     bamba,
     dense,
+    falcon_h1,
     gemma3,
     gemma4,
     granitemoehybrid,
@@ -18,7 +19,8 @@ from tests.oracles import (
 )
 from tests.oracles.common import Checkpoint
 
-MODULES = [qwen3_5, qwen3_next, lfm2, gemma3, gemma4, dense, mtp, bamba, granitemoehybrid, nemotron_h]
+MODULES = [qwen3_5, qwen3_next, lfm2, gemma3, gemma4, dense, mtp]
+MODULES += [bamba, granitemoehybrid, nemotron_h, falcon_h1]  # the Mamba-2 hybrids
 BUILDERS = {name: fn for m in MODULES for name, fn in m.BUILDERS.items()}
 REPRESENTATIVE = [name for m in MODULES for name in m.REPRESENTATIVE]
 

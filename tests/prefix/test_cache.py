@@ -17,7 +17,7 @@ from hybridlm.prefix.cache import CapturePlan, PrefixCache, Session, common_pref
 from hybridlm.prefix.session import budgeted
 from hybridlm.prefix.trie import Trie
 
-KINDS = ["qwen3_5_text", "lfm2", "gemma3_text", "gemma4_text", "dense_llama", "bamba"]
+KINDS = ["qwen3_5_text", "lfm2", "gemma3_text", "gemma4_text", "dense_llama", "bamba", "nemotron_h"]
 
 
 class Oracle:

@@ -3,6 +3,7 @@
 from hybridlm.models import (
     bamba,  # noqa: F401 - registers its model types
     dense,  # noqa: F401 - registers its model types
+    falcon_h1,  # noqa: F401 - registers its model types
     gemma3,  # noqa: F401 - registers its model types
     gemma4,  # noqa: F401 - registers its model types
     granitemoehybrid,  # noqa: F401 - registers its model types

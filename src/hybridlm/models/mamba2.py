@@ -142,10 +142,18 @@ class Mamba2Mixer(nn.Module):
         mask = batch.token_mask()
         if mask is not None:
             x = x * mask[..., None].to(x.dtype)
-        z, xbc, dt = self.in_proj(x).split([self.inner, self.conv_dim, self.heads], dim=-1)
+        z, xbc, dt = self.project(x).split([self.inner, self.conv_dim, self.heads], dim=-1)
         y = per_segment(batch, cache, self.scan, xbc, dt)
         b, length, _ = x.shape
-        return self.out_proj(self.norm(y.reshape(b, length, self.inner), z, x.dtype))
+        return self.out_proj(self.gate(y.reshape(b, length, self.inner), z, x.dtype))
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, L, hidden] -> z ‖ xBC ‖ dt [B, L, inner + conv_dim + H]."""
+        return self.in_proj(x)
+
+    def gate(self, y: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The scan output y [B, L, inner] (float32) gated by z -> [B, L, inner] in `dtype`."""
+        return self.norm(y, z, dtype)
 
     def scan(self, batch: Batch, cache: Mamba2Cache, xbc, dt) -> torch.Tensor:
         """Conv + state update of this forward's scan inputs from `cache`'s state -> y [B, L, H, P]
