@@ -17,7 +17,8 @@ from hybridlm.prefix.cache import CapturePlan, PrefixCache, Session, common_pref
 from hybridlm.prefix.session import budgeted
 from hybridlm.prefix.trie import Trie
 
-KINDS = ["qwen3_5_text", "lfm2", "gemma3_text", "gemma4_text", "dense_llama", "bamba", "nemotron_h"]
+KINDS = ["qwen3_5_text", "lfm2", "gemma3_text", "gemma4_text", "dense_llama", "bamba", "nemotron_h",
+         "falcon_h1"]
 
 
 class Oracle:

@@ -14,7 +14,7 @@ from hybridlm.speculative import NgramDrafter
 from tests.speculative.helpers import ids_for, plain_greedy, speculative_greedy
 
 FAMILIES = ["qwen3_5_text", "qwen3_next", "lfm2", "gemma3_text", "gemma4_text", "dense_llama", "bamba",
-            "nemotron_h", "granitemoehybrid_moe"]
+            "nemotron_h", "granitemoehybrid_moe", "falcon_h1"]
 
 needs_kernels = pytest.mark.skipif(kernel_rows() == 0, reason="the CPU kernels could not be built")
 
