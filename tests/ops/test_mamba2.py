@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hybridlm.ops.mamba2 import mamba2_scan
+from hybridlm.ops.mamba2 import mamba2_scan, mamba2_step_fused
 
 torch.set_flush_denormal(True)
 
@@ -157,3 +157,61 @@ def test_shape_errors_are_reported():
         mamba2_scan(x, dt, A, B, C, D, state[:, :2], dt_bias=dt_bias)
     with pytest.raises(ValueError, match="splits"):
         mamba2_scan(x, dt, A, B, C, D, state, dt_bias=dt_bias, splits=[5])
+
+
+# ---- the C step kernel (csrc/mamba2.c) -------------------------------------------------------------
+def fused_inputs(Bt, L, H, P, G, N, dtype=torch.float32, seed=0):
+    """The same quantities as the kernel reads them: the conv output x ‖ B ‖ C [Bt, L, H·P + 2·G·N]."""
+    x, dt, A, B, C, D, dt_bias, state = make_inputs(Bt, L, H, P, G, N, dtype=dtype, seed=seed)
+    xbc = torch.cat([x.flatten(2), B.flatten(2), C.flatten(2)], dim=-1)
+    return xbc, (x, dt, A, B, C, D, dt_bias, state)
+
+
+def fused(xbc, inputs, **kw):
+    x, dt, A, B, C, D, dt_bias, state = inputs
+    H, P = x.shape[2:]
+    G, N = B.shape[2:]
+    out = mamba2_step_fused(xbc, dt, A, D, state, dt_bias=dt_bias, heads=H, head_dim=P, groups=G,
+                            state_size=N, dt_limit=LIMIT, **kw)
+    assert out is not None, "the kernel did not run"
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_step_kernel_equals_the_float64_reference_on_every_isa(isa, dtype):
+    xbc, inputs = fused_inputs(2, 13, 6, 5, 2, 7, dtype=dtype, seed=7)
+    y, state, _ = fused(xbc, inputs)
+    ry, rs = reference(*inputs)
+    rel = 5e-6 if dtype == torch.float32 else 1e-5
+    close_to_scale(y, ry, rel)
+    close_to_scale(state, rs, rel)
+
+
+def test_step_kernel_gives_the_same_bits_however_the_tokens_are_cut_and_batched(isa):
+    """Cut into decode-, verify- and chunk-sized pieces, with splits, or beside other (ragged) rows:
+    every token's output and state are the same bits."""
+    xbc, inputs = fused_inputs(3, 20, 4, 3, 2, 5, seed=8)
+    lens = [20, 7, 12]
+    y, state, bounds = fused(xbc, inputs, query_lens=lens, splits=[3, 9])
+    x, dt, A, B, C, D, dt_bias, s0 = inputs
+    for b, n in enumerate(lens):
+        s = s0[b : b + 1]
+        for a, e in ((0, 1), (1, 3), (3, 9), (9, n)):
+            if a >= n:
+                break
+            e = min(e, n)
+            row = (x, dt[b : b + 1, a:e], A, B, C, D, dt_bias, s)
+            yp, s, _ = fused(xbc[b : b + 1, a:e], row)
+            assert yp.equal(y[b : b + 1, a:e])
+            if e in (3, 9):
+                assert s.equal(bounds[(3, 9).index(e)][b : b + 1])
+        assert s.equal(state[b : b + 1])
+        assert not y[b, n:].any()
+
+
+def test_step_kernel_agrees_with_the_torch_step_form():
+    xbc, inputs = fused_inputs(1, 9, 4, 8, 2, 6, seed=9)
+    y, state, _ = fused(xbc, inputs)
+    ty, ts, _ = scan(inputs)
+    torch.testing.assert_close(y, ty, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(state, ts, rtol=1e-5, atol=1e-5)

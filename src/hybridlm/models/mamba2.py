@@ -25,7 +25,7 @@ from hybridlm.cache import Mamba2Cache
 from hybridlm.models.layers import per_segment
 from hybridlm.ops.conv import causal_conv1d
 from hybridlm.ops.linear import Linear
-from hybridlm.ops.mamba2 import DEFAULT_CHUNK, mamba2_scan
+from hybridlm.ops.mamba2 import DEFAULT_CHUNK, mamba2_scan, mamba2_step_fused
 from hybridlm.ops.native import FEW_TOKENS
 
 
@@ -113,6 +113,14 @@ class Mamba2Mixer(nn.Module):
             xbc, self.conv1d.weight.squeeze(1), self.conv1d.bias, conv_tail, activation="silu",
             query_lens=query_lens, splits=splits,
         )
+        fused = None if not step else mamba2_step_fused(
+            conv, dt, -self.A_log.float().exp(), self.D, state, dt_bias=self.dt_bias, heads=self.heads,
+            head_dim=self.head_dim, groups=self.groups, state_size=self.state_size, dt_limit=self.dt_limit,
+            query_lens=query_lens, splits=splits, inplace=inplace,
+        )
+        if fused is not None:
+            y, state, states = fused
+            return y, tail, state, list(zip(tails, states, strict=True))
         gn = self.groups * self.state_size
         x, B, C = conv.split([self.inner, gn, gn], dim=-1)
         y, state, states = mamba2_scan(

@@ -25,6 +25,7 @@ whatever the call's length); products and sums are exactly rounded either way an
 
 from __future__ import annotations
 
+import ctypes
 import math
 from collections.abc import Sequence
 
@@ -32,11 +33,87 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from hybridlm.ops.native import checked_splits
+from hybridlm.ops.native import NativeKernel, checked_splits, split_args
 
 # Tokens per chunk of the chunked form (transformers' default for these families is 256; on 2 CPU
 # cores, 4 heads x 16 x 16, 64 ran as fast and keeps the [C, C] products in cache).
 DEFAULT_CHUNK = 64
+
+
+_p, _i64, _f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+STEP_KERNEL = NativeKernel(
+    "mamba2_scan",
+    "mamba2.c",
+    "hybridlm_mamba2_scan",
+    [_p, _p, _p, _p, _p, _p, _p, _p, _p, _i64, _p, _i64, _i64, _i64, _i64, _i64, _i64, _f, _f,
+     ctypes.c_int, ctypes.c_int],
+    None,
+    fallback="the torch step form",
+)
+
+
+def mamba2_step_fused(
+    xbc: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    D: Tensor | None,
+    state: Tensor,
+    *,
+    dt_bias: Tensor,
+    heads: int,
+    head_dim: int,
+    groups: int,
+    state_size: int,
+    dt_limit: tuple[float, float] = (0.0, math.inf),
+    query_lens: Tensor | Sequence[int] | None = None,
+    splits: Sequence[int] = (),
+    inplace: bool = False,
+) -> tuple[Tensor, Tensor, list[Tensor]] | None:
+    """The step form in one C call (csrc/mamba2.c), reading x, B and C from the conv output.
+
+    Args:
+        xbc: ``[Bt, L, H·P + 2·G·N]`` the conv output (after SiLU), x ‖ B ‖ C, bf16 or float32.
+        dt: ``[Bt, L, H]`` raw time steps in xbc's dtype; A, D, dt_bias: ``[H]`` (D may be None).
+        state, dt_limit, query_lens, splits, inplace: as in `mamba2_scan`.
+
+    Returns:
+        what `mamba2_scan` returns (without ``inplace`` a new state), with the kernel's own rounding:
+        the same bits for a token whichever call runs it, within float32 rounding of the torch step
+        form. None where the kernel does not apply (not CPU, other dtypes, not built): callers then
+        run `mamba2_scan`.
+    """
+    Bt, L, width = xbc.shape
+    shape = (Bt, heads, head_dim, state_size)
+    if not (
+        L > 0
+        and xbc.is_cpu
+        and xbc.dtype in (torch.bfloat16, torch.float32)
+        and dt.dtype is xbc.dtype
+        and dt.shape == (Bt, L, heads)
+        and width == heads * head_dim + 2 * groups * state_size
+        and heads % groups == 0
+        and state.shape == shape
+        and state.dtype is torch.float32
+        and (state.is_contiguous() or not inplace)
+        and not torch.compiler.is_compiling()
+    ):
+        return None
+    fn = STEP_KERNEL.get()
+    if fn is None:
+        return None
+    splits = checked_splits(splits, L)
+    if not inplace:
+        state = state.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+    xbc, dt = xbc.contiguous(), dt.contiguous()
+    A, dt_bias = A.float().contiguous(), dt_bias.float().contiguous()
+    D = None if D is None else D.float().contiguous()
+    y = torch.empty(Bt, L, heads, head_dim, dtype=torch.float32)
+    bounds = [torch.empty(shape, dtype=torch.float32) for _ in splits]
+    ptrs, at, n, lens = split_args(splits, bounds, query_lens)
+    fn(xbc.data_ptr(), dt.data_ptr(), A.data_ptr(), dt_bias.data_ptr(), None if D is None else D.data_ptr(),
+       state.data_ptr(), y.data_ptr(), ptrs, at, n, lens, Bt, L, heads, head_dim, groups, state_size,
+       float(dt_limit[0]), float(dt_limit[1]), int(xbc.dtype is torch.bfloat16), torch.get_num_threads())
+    return y, state, bounds
 
 
 def mamba2_scan(
