@@ -23,7 +23,8 @@ from hybridlm.speculative import NgramDrafter
 from hybridlm.speculative.draft import DraftModel
 from tests.speculative.helpers import ids_for, plain_greedy, speculative_greedy, speculator
 
-FAMILIES = ["qwen3_5_text", "qwen3_next", "lfm2", "gemma3_text", "gemma4_text", "dense_llama"]
+FAMILIES = ["qwen3_5_text", "qwen3_next", "lfm2", "gemma3_text", "gemma4_text", "dense_llama", "bamba",
+            "nemotron_h"]
 SCHEMES = ["int8", "int4"]
 needs_kernels = pytest.mark.skipif(
     INT8_KERNEL.get() is None or INT4_KERNEL.get() is None, reason="the quantized kernels could not be built"

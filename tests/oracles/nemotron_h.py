@@ -1,5 +1,5 @@
 """Nemotron-H checkpoints from `hybrid_override_pattern` (every block kind: M * E -): Mamba-2 (2 groups
-of 3 heads, chunk 16, Δ clamped below at time_step_min), attention without positional encoding,
+of 4 heads, chunk 16, Δ clamped below at time_step_min), attention without positional encoding,
 relu² MLP, and a sigmoid-routed MoE with grouped top-k, a correction bias that changes the choice,
 a routed scaling factor and a shared expert; one with latent MoE projections (sizes whose bf16 rows are
 multiples of 16 bytes: transformers' grouped GEMM needs that)."""
@@ -16,13 +16,13 @@ def config(**kw):
 
     base = dict(
         vocab_size=VOCAB,
-        hidden_size=48,
+        hidden_size=64,  # every linear's input a multiple of 64 (int4 groups), output of 16 (int4 panels)
         hybrid_override_pattern="M*E-M",
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=12,
-        intermediate_size=40,
-        mamba_num_heads=6,
+        head_dim=16,
+        intermediate_size=64,
+        mamba_num_heads=8,
         mamba_head_dim=8,
         ssm_state_size=10,
         n_groups=2,
@@ -32,7 +32,7 @@ def config(**kw):
         n_routed_experts=8,
         num_experts_per_tok=2,
         moe_intermediate_size=24,
-        moe_shared_expert_intermediate_size=32,
+        moe_shared_expert_intermediate_size=64,
         n_group=2,
         topk_group=1,
         routed_scaling_factor=2.5,
