@@ -39,7 +39,7 @@ from hybridlm.models.tokenizer import Tokenizer
 from tests.oracles.checkpoints import build
 from tests.server.conftest import ServerProcess
 
-KINDS = ["qwen3_5_text", "lfm2", "gemma3_text", "dense_llama"]
+KINDS = ["qwen3_5_text", "lfm2", "gemma3_text", "dense_llama", "bamba", "falcon_h1"]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 CACHE_RAM = 64 << 20  # --cache-ram: holds every scenario's working set (checked last)
 CHUNK = 16  # --prefill-chunk: the cancelled prefill stops on a chunk boundary
