@@ -1,7 +1,8 @@
 """Prefix-cache scenarios through the HTTP API (issue 4, acceptance 1).
 
 For each layer kind — a GDN hybrid (qwen3_5_text), the short-conv hybrid (lfm2), the sliding-window
-family (gemma3_text, window 16) and a dense model (dense_llama) — a real `hybridlm serve` process
+family (gemma3_text, window 16), a dense model (dense_llama) and the Mamba-2 hybrids with one cache
+a layer (bamba) and two (falcon_h1: KV and Mamba-2 state in every layer) — a real `hybridlm serve` process
 is driven with the official `openai` client: multi-turn continuation, history rewritten near the
 end of the last answer, regenerate, edit of an earlier message, one system prompt shared by many
 conversations, eight conversations interleaved, cancel mid-prefill and retry.
