@@ -6,10 +6,11 @@ Face checkpoints (`in_proj`, `conv1d`, `dt_bias`, `A_log`, `D`, `norm`, `out_pro
 
 Which form of the state update runs. Every state a restore can land on goes through the step
 recurrence: a forward that records scan inputs (the prefix cache's range snapshots) or must report
-split states (captures, speculative restore points) runs the step form, as decode steps, verify
-passes and replays do, so a replay rebuilds bit for bit the state the forward had at that token
-(tests/models/test_mamba2.py). A long prompt whose states nobody asked for takes the chunked form
-(matrix products), whose final state is then the checkpoint replays start from.
+split states (captures, speculative restore points) runs the step form (the C kernel where it
+applies, else torch), as decode steps, verify passes and replays do, so a replay rebuilds bit for
+bit the state the forward had at that token (tests/models/test_mamba2.py). A long prompt whose
+states nobody asked for takes the chunked form (matrix products), whose final state is then the
+checkpoint replays start from.
 """
 
 from __future__ import annotations

@@ -17,10 +17,14 @@ state after any token has the same bits on every path, and so do its outputs. Th
 (a few matrix products per chunk of tokens) serves long prompts whose states nobody will replay
 (the layer picks, see ``models/mamba2.py``); it equals the step form within float32 rounding.
 
-Transcendentals per token: ATen's elementwise loops run a vector body and a scalar tail, whose
-``exp`` may round differently, and where an element lands depends on the tensor's length. The step
-form therefore computes ``softplus`` and ``exp`` on each token's own ``[B, H]`` slice (one layout
-whatever the call's length); products and sums are exactly rounded either way and run vectorized.
+On the CPU the step form runs as one C call (`mamba2_step_fused`, csrc/mamba2.c) wherever it
+applies, so every path takes the same kernel; `mamba2_scan`'s torch step form is the fallback.
+
+Transcendentals per token in the torch form: ATen's elementwise loops run a vector body and a scalar
+tail, whose ``exp`` may round differently, and where an element lands depends on the tensor's
+length. The step form therefore computes ``softplus`` and ``exp`` on each token's own ``[B, H]``
+slice (one layout whatever the call's length); products and sums are exactly rounded either way and
+run vectorized.
 """
 
 from __future__ import annotations
