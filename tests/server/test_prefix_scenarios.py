@@ -2,10 +2,10 @@
 
 For each layer kind — a GDN hybrid (qwen3_5_text), the short-conv hybrid (lfm2), the sliding-window
 family (gemma3_text, window 16), a dense model (dense_llama) and a Mamba-2 hybrid (bamba) — a real
-`hybridlm serve` process
-is driven with the official `openai` client: multi-turn continuation, history rewritten near the
-end of the last answer, regenerate, edit of an earlier message, one system prompt shared by many
-conversations, eight conversations interleaved, cancel mid-prefill and retry.
+`hybridlm serve` process is driven with the official `openai` client: multi-turn continuation,
+history rewritten near the end of the last answer, regenerate, edit of an earlier message, one
+system prompt shared by many conversations, eight conversations interleaved, cancel mid-prefill and
+retry.
 
 Every request's `usage.prompt_tokens_details.cached_tokens` must equal what a brute-force oracle
 says is the best possible reuse: the longest common prefix with any sequence the server stored
