@@ -22,8 +22,10 @@ from hybridlm.ops.native import FEW_TOKENS
 from hybridlm.ops.quant import quantize_
 from hybridlm.ops.quant_gemm import prompt_rows
 
-FAMILIES = ["qwen3_5_text", "qwen3_next", "lfm2", "gemma3_text", "gemma4_text", "dense_qwen3", "dense_llama",
-            "bamba"]
+FAMILIES = [
+    "qwen3_5_text", "qwen3_next", "qwen3_5_moe_text", "lfm2", "lfm2_moe", "gemma3_text", "gemma4_text",
+    "dense_qwen3", "dense_llama", "kimi_linear", "bailing_hybrid", "bamba",
+]
 # The families whose every layer the plan runs without a module call.
 PLANNED = ["qwen3_5_text", "dense_qwen3", "dense_llama",
             "bamba"]

@@ -62,22 +62,37 @@ def test_bfloat16_argmax_agrees_with_transformers(checkpoints, name):
     ids = ids_for(200, seed=2)
     with torch.no_grad():
         expected = ref(torch.tensor([ids])).logits[0].float()
-        truth = ckpt.reference(torch.float32)(torch.tensor([ids])).logits[0].argmax(-1)
+        exact = ckpt.reference(torch.float32)(torch.tensor([ids])).logits[0]
+    truth = exact.argmax(-1)
     got = full_logits(ours, ids)
     agree = (got.argmax(-1) == expected.argmax(-1)).float().mean().item()
     # Where the CPU's float32 GEMM is the faster one, prompts multiply bf16 values in float32
     # (`ops.linear`) while transformers uses oneDNN's bf16 GEMM: both accumulate in float32 but in
     # another order, which flips a few near-tied argmaxes of random weights (up to 3 in 200 measured)
-    # either way: each is as close to the float32 model as the other.
-    assert agree >= 0.98, f"argmax agreement {agree:.3f}"
+    # either way: each is as close to the float32 model as the other. transformers' LFM2-MoE router
+    # rounds its sigmoid scores to bf16 before the top-k (ours keeps them in float32), which ties and
+    # flips more experts: where it is itself further from the float32 model, ours must be closer.
     ours_right = (got.argmax(-1) == truth).float().mean().item()
     theirs_right = (expected.argmax(-1) == truth).float().mean().item()
+    assert agree >= 0.98 or ours_right > theirs_right, (
+        f"argmax agreement {agree:.3f}; vs float32: ours {ours_right:.3f}, theirs {theirs_right:.3f}"
+    )
     assert ours_right >= theirs_right - 0.015, f"vs float32: ours {ours_right:.3f}, theirs {theirs_right:.3f}"
     # A routed MoE turns a one-ulp difference upstream into another expert where two router
-    # probabilities nearly tie; that token (and a few after it) may then differ by more.
-    per_token = (got - expected).abs().amax(-1)
-    outliers = (per_token > 5e-2 * expected.abs().max()).float().mean().item()
-    assert outliers <= 0.02, f"{outliers:.1%} of positions beyond 5e-2 x logit scale"
+    # probabilities nearly tie; that token (and a few after it) may then differ by more. Where
+    # transformers' bf16 routing is itself further from the float32 model (above), our distance from
+    # the float32 model must be no larger than its.
+    outliers = positions_beyond(got, expected)
+    bar = max(0.02, positions_beyond(expected, exact))
+    assert outliers <= 0.02 or positions_beyond(got, exact) <= bar, (
+        f"{outliers:.1%} of positions beyond 5e-2 x logit scale"
+    )
+
+
+def positions_beyond(logits: torch.Tensor, ref: torch.Tensor) -> float:
+    """Fraction of positions of logits [L, V] farther than 5e-2 × ref's logit scale from ref [L, V]."""
+    per_token = (logits - ref).abs().amax(-1)
+    return (per_token > 5e-2 * ref.abs().max()).float().mean().item()
 
 
 @pytest.mark.parametrize("name", ONE_PER_FAMILY)

@@ -24,7 +24,9 @@ from hybridlm.ops.native import FEW_TOKENS
 PACKING = [
     "qwen3_5_text",
     "qwen3_next",
+    "qwen3_5_moe_text",
     "lfm2",
+    "lfm2_moe",
     "gemma3_text",
     "gemma4_text",
     "gemma4_text_tied",
@@ -32,6 +34,8 @@ PACKING = [
     "gemma4_vl",
     "dense_qwen3",
     "dense_llama",
+    "kimi_linear",
+    "bailing_hybrid",
     "bamba",
     "granitemoehybrid_moe",
     "nemotron_h",
@@ -53,7 +57,10 @@ STEPS = [
 # mixers one by one while the decode rows share the packed kernels (`layers.per_segment`).
 MIXED_STEP = [(1, 1, "last"), (0, 30, "last"), (3, 1, "last"), (2, 18, "all")]
 # The families whose mixers have packed kernels (`Attention`, `GatedDeltaNet`, LFM2's `ShortConv`).
-PACKED_MIXERS = ["qwen3_5_text", "qwen3_next", "lfm2", "gemma3_text", "dense_llama", "bamba"]
+PACKED_MIXERS = [
+    "qwen3_5_text", "qwen3_next", "qwen3_5_moe_text", "lfm2", "lfm2_moe", "gemma3_text", "dense_llama",
+    "bamba",
+]
 
 
 def tokens(rng: random.Random, n: int) -> list[int]:

@@ -20,10 +20,14 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from tests.oracles import qwen3_5, qwen3_next
+from tests.oracles import qwen3_5, qwen3_5_moe, qwen3_next
 from tests.oracles.common import Checkpoint, randomize
 
-LAYER_COUNT_FIELD = {"qwen3_5_text": "mtp_num_hidden_layers", "qwen3_next": "num_nextn_predict_layers"}
+LAYER_COUNT_FIELD = {
+    "qwen3_5_text": "mtp_num_hidden_layers",
+    "qwen3_next": "num_nextn_predict_layers",
+    "qwen3_5_moe_text": "mtp_num_hidden_layers",
+}
 
 
 def modules(hf_config, model_type: str) -> dict[str, nn.Module]:
@@ -35,6 +39,9 @@ def modules(hf_config, model_type: str) -> dict[str, nn.Module]:
     if model_type == "qwen3_5_text":
         from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer as Layer
         from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm as Norm
+    elif model_type == "qwen3_5_moe_text":
+        from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeDecoderLayer as Layer
+        from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeRMSNorm as Norm
     else:
         from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextDecoderLayer as Layer
         from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNorm as Norm
@@ -124,9 +131,22 @@ def qwen3_next_moe(out: Path) -> Checkpoint:
     return add_mtp(qwen3_next.untied(out), "qwen3_next", shard=True)
 
 
-BUILDERS = {"qwen3_5_text_mtp": qwen3_5_text, "qwen3_next_mtp": qwen3_next_moe}
+def qwen3_5_moe_text(out: Path) -> Checkpoint:
+    """Every layer is sparse: the head's layer has the MoE block."""
+    return add_mtp(qwen3_5_moe.text(out), "qwen3_5_moe_text", shard=False)
+
+
+BUILDERS = {
+    "qwen3_5_text_mtp": qwen3_5_text,
+    "qwen3_next_mtp": qwen3_next_moe,
+    "qwen3_5_moe_text_mtp": qwen3_5_moe_text,
+}
 REPRESENTATIVE: list[str] = []
-MODEL_TYPE = {"qwen3_5_text_mtp": "qwen3_5_text", "qwen3_next_mtp": "qwen3_next"}
+MODEL_TYPE = {
+    "qwen3_5_text_mtp": "qwen3_5_text",
+    "qwen3_next_mtp": "qwen3_next",
+    "qwen3_5_moe_text_mtp": "qwen3_5_moe_text",
+}
 
 
 class MTPReference:

@@ -91,6 +91,16 @@ def check_tensors(
             )
 
 
+def take(state: dict[str, torch.Tensor], name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """Pop tensor `name` from `state`, checking its shape (`CheckpointError` when missing or misshapen)."""
+    if name not in state:
+        raise CheckpointError(f"missing tensor {name!r}")
+    t = state.pop(name)
+    if tuple(t.shape) != shape:
+        raise CheckpointError(f"tensor {name!r} has shape {tuple(t.shape)}, expected {shape}")
+    return t
+
+
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

@@ -24,7 +24,7 @@ from hybridlm.batch import Batch, Packed
 from hybridlm.cache import AttentionHistory, KVCache, SlidingKVCache
 from hybridlm.models.base import CausalLM, Config, last_rows, register
 from hybridlm.models.layers import ACTIVATIONS, GatedMLP, per_segment, rope_tables
-from hybridlm.models.qwen3_next import Experts
+from hybridlm.models.moe import Experts, softmax_topk
 from hybridlm.ops.attention import attention
 from hybridlm.ops.elementwise import elementwise_rows
 from hybridlm.ops.linear import Linear
@@ -271,9 +271,7 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, d] -> routing weights [N, k] float32, expert ids [N, k]."""
         x = self.norm(x) * self.scale * x.shape[-1] ** -0.5
-        probs = self.proj(x).softmax(dim=-1, dtype=torch.float32)
-        weights, index = probs.topk(self.top_k, dim=-1)
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights, index = softmax_topk(self.proj(x), self.top_k)
         return weights * self.per_expert_scale[index], index
 
 

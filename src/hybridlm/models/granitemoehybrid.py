@@ -21,7 +21,7 @@ from hybridlm.models.bamba import time_step_limit
 from hybridlm.models.base import CausalLM, Config, register
 from hybridlm.models.layers import Attention, DecoderLayer, GatedMLP
 from hybridlm.models.mamba2 import Mamba2Mixer
-from hybridlm.models.qwen3_next import Experts
+from hybridlm.models.moe import Experts
 from hybridlm.ops.linear import Linear
 from hybridlm.ops.norms import RMSNorm
 from hybridlm.ops.rope import Rotary, inv_freq_from_params
@@ -40,7 +40,7 @@ MAMBA_KINDS = ("mamba", "linear_attention")
 
 class SoftmaxTopKMoE(nn.Module):
     """Granite's routed experts: the router's top-k logits (float32) softmaxed into weights in the
-    activation dtype; gated SwiGLU experts (`qwen3_next.Experts`: only the chosen ones run)."""
+    activation dtype; gated SwiGLU experts (`moe.Experts`: only the chosen ones run)."""
 
     def __init__(self, c: Config):
         super().__init__()

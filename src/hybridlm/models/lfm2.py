@@ -18,6 +18,7 @@ from hybridlm.batch import Batch, Packed
 from hybridlm.cache import ConvCache
 from hybridlm.models.base import CausalLM, Config, register
 from hybridlm.models.layers import Attention, DecoderLayer, GatedMLP, per_segment, segment_rows
+from hybridlm.models.moe import SIGMOID, Experts, Router, SparseMoE, stack_experts
 from hybridlm.ops.conv import causal_conv1d, causal_conv1d_packed
 from hybridlm.ops.linear import Linear
 from hybridlm.ops.norms import RMSNorm
@@ -34,6 +35,9 @@ RENAMES = [
     (".self_attn.out_proj.", ".self_attn.o_proj."),
     (".self_attn.q_layernorm.", ".self_attn.q_norm."),
     (".self_attn.k_layernorm.", ".self_attn.k_norm."),
+    # LFM2-MoE: the router's selection bias sits on the block, the router and experts inside it
+    (".feed_forward.expert_bias", ".mlp.gate.e_score_correction_bias"),
+    (".feed_forward.", ".mlp."),
 ]
 
 
@@ -127,7 +131,7 @@ class Lfm2(CausalLM):
         self.model.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
         self.model.layers = nn.ModuleList()
         kernel = c.get("conv_L_cache", 3)
-        for kind in c.layer_types:
+        for i, kind in enumerate(c.layer_types):
             if kind == "conv":
                 mixer_name, mixer = "conv", ShortConv(c.hidden_size, kernel, c.get("conv_bias", False))
             else:
@@ -136,10 +140,14 @@ class Lfm2(CausalLM):
                     c.hidden_size, c.num_attention_heads, c.num_key_value_heads, head_dim, rotary,
                     qk_norm=RMSNorm, eps=c.norm_eps,
                 )
-            mlp = GatedMLP(c.hidden_size, ff_dim(c))
+            mlp = self.mlp(c, i)
             self.model.layers.append(DecoderLayer(mixer_name, mixer, mlp, RMSNorm, c.hidden_size, c.norm_eps))
         self.model.norm = RMSNorm(c.hidden_size, eps=c.norm_eps)
         self.lm_head = Linear(c.hidden_size, c.vocab_size, bias=False)
+
+    def mlp(self, c: Config, index: int) -> nn.Module:
+        """The feed-forward block of layer `index`."""
+        return GatedMLP(c.hidden_size, ff_dim(c))
 
     @classmethod
     def text_config(cls, raw: dict) -> Config:
@@ -162,3 +170,49 @@ class Lfm2(CausalLM):
             if old in name:
                 return name.replace(old, new, 1)
         return name
+
+
+@register("lfm2_moe")
+class Lfm2Moe(Lfm2):
+    """LFM2-MoE (`lfm2_moe`): LFM2's short-conv and attention layers, a dense SwiGLU feed-forward of
+    `intermediate_size` (no auto-adjust) on the first `num_dense_layers` layers, then a sparse MoE:
+    sigmoid router scores, `expert_bias` added for selection only (`use_expert_bias`), top-k,
+    renormalised (+1e-6) when `norm_topk_prob`, times `routed_scaling_factor`; no shared expert.
+    Experts are stored one by one as `feed_forward.experts.{e}.w1/w3/w2` (`convert` stacks them)."""
+
+    def mlp(self, c: Config, index: int) -> nn.Module:
+        if index < c.num_dense_layers:
+            return GatedMLP(c.hidden_size, c.intermediate_size)
+        router = Router(
+            c.hidden_size, c.num_experts, c.num_experts_per_tok, SIGMOID, normalize=c.norm_topk_prob,
+            bias=c.use_expert_bias, scaling=c.routed_scaling_factor, eps=1e-6,
+        )
+        experts = Experts(c.num_experts, c.hidden_size, c.moe_intermediate_size, "silu")
+        # transformers rounds the routing weights to the activation dtype before weighting the experts
+        return SparseMoE(router, experts, weights_dtype="activation")
+
+    @classmethod
+    def text_config(cls, raw: dict) -> Config:
+        """LFM2's normalisation, with Lfm2MoeConfig's defaults for the MoE fields."""
+        c = super().text_config(raw)
+        for key, value in MOE_DEFAULTS.items():
+            c.setdefault(key, value)
+        return c
+
+    @classmethod
+    def convert(cls, state: dict[str, torch.Tensor], config: Config) -> dict[str, torch.Tensor]:
+        """Stack the per-expert tensors of the sparse layers (left alone where already stacked)."""
+        c = config
+        for i in range(c.num_dense_layers, len(c.layer_types)):
+            stack_experts(state, f"model.layers.{i}.mlp.experts", c.num_experts, c.hidden_size,
+                          c.moe_intermediate_size, ("w1", "w3", "w2"))
+        return state
+
+
+# Lfm2MoeConfig's defaults for the fields published configs may leave out.
+MOE_DEFAULTS = {
+    "num_dense_layers": 2,
+    "use_expert_bias": True,
+    "routed_scaling_factor": 1.0,
+    "norm_topk_prob": True,
+}

@@ -85,8 +85,14 @@ def load_weights(cls, root: Path, raw: dict, dtype: torch.dtype | None = None, d
     state, source = read_tensors(weight_files(root), rename)
     state = cls.convert(state, config)
     check_tensors(state, expected, source, root)
-    # index tables (the Gemma 4 assistant's token ordering) must not become floats
-    state = {k: placed(v, device, dtype if v.is_floating_point() else v.dtype) for k, v in state.items()}
+    keep = getattr(cls, "keep_float32", ())
+
+    def dtype_of(name: str, t: torch.Tensor) -> torch.dtype:
+        if not t.is_floating_point():  # index tables (the Gemma 4 assistant's token ordering) stay ints
+            return t.dtype
+        return torch.float32 if keep and name.endswith(keep) else dtype
+
+    state = {k: placed(v, device, dtype_of(k, v)) for k, v in state.items()}
     model.load_state_dict(state, strict=False, assign=True)
     if model.tied:
         model.lm_head.weight = model.model.embed_tokens.weight

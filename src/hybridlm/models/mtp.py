@@ -73,7 +73,7 @@ def load_mtp_head(path: str | Path, target) -> MTPHead:
     if head is None:
         raise CheckpointError(
             f"{root}: model_type {config.get('model_type')!r} has no multi-token-prediction head "
-            "(MTP heads: qwen3_5, qwen3_5_text, qwen3_next)"
+            "(MTP heads: qwen3_5, qwen3_5_text, qwen3_next, qwen3_5_moe, qwen3_5_moe_text)"
         )
     layers = next((config[f] for f in LAYER_COUNT_FIELDS if f in config), 1)
     if layers != 1:

@@ -26,6 +26,7 @@ from hybridlm.models.base import CausalLM, Config, register
 from hybridlm.models.checkpoint import CheckpointError
 from hybridlm.models.layers import Attention
 from hybridlm.models.mamba2 import Mamba2Mixer
+from hybridlm.models.moe import SIGMOID, Router, dispatch
 from hybridlm.ops.elementwise import elementwise_rows
 from hybridlm.ops.linear import Linear, linear
 from hybridlm.ops.norms import rms_normalize
@@ -89,7 +90,9 @@ class Relu2MLP(nn.Module):
 
 
 class Relu2Experts(nn.Module):
-    """Routed non-gated experts: `up_proj` [E, I, d_in], `down_proj` [E, d_in, I]."""
+    """Routed non-gated experts: `up_proj` [E, I, d_in], `down_proj` [E, d_in, I]; tokens dispatched by
+    `moe.dispatch` (only the chosen experts run; a token's k outputs weighted in float32, summed in
+    expert order and rounded once, as transformers does)."""
 
     def __init__(self, num_experts: int, dim: int, intermediate: int):
         super().__init__()
@@ -97,57 +100,13 @@ class Relu2Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, dim, intermediate))
 
     def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x [N, d_in], index [N, k] expert ids, weights [N, k] float32 -> [N, d_in] in x's dtype.
+        """x [N, d_in], index [N, k] expert ids, weights [N, k] float32 -> [N, d_in] in x's dtype."""
+        return dispatch(x, index, weights, self.expert)
 
-        Tokens grouped by expert; only the selected experts run, each as one product over its tokens
-        (`ops.linear.linear`: few bf16 rows take the decode kernel). Each token's k outputs are
-        weighted and summed in float32 and rounded once, as transformers does.
-        """
-        k = index.shape[1]
-        flat = index.reshape(-1)
-        order = flat.argsort(stable=True)
-        hit, sizes = torch.unique_consecutive(flat[order], return_counts=True)
-        tokens = order // k
-        w = weights.reshape(-1)[order, None]
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        start = 0
-        for e, n in zip(hit.tolist(), sizes.tolist(), strict=True):
-            rows = tokens[start : start + n]
-            y = linear(elementwise_rows(relu2, linear(x[rows], self.up_proj[e])), self.down_proj[e])
-            out.index_put_((rows,), y * w[start : start + n], accumulate=True)
-            start += n
-        return out.to(x.dtype)
-
-
-class SigmoidRouter(nn.Module):
-    """Sigmoid scores; the choice adds `e_score_correction_bias` and keeps the best `topk_group` of
-    `n_group` groups (a group scored by its two best experts); the weights are the chosen experts'
-    plain scores, renormalised (`norm_topk_prob`) and times `routed_scaling_factor`. All in float32."""
-
-    def __init__(self, c: Config):
-        super().__init__()
-        self.top_k = c.num_experts_per_tok
-        self.n_group, self.topk_group = c.get("n_group", 1), c.get("topk_group", 1)
-        self.norm_topk_prob = c.get("norm_topk_prob", True)
-        self.scaling = c.get("routed_scaling_factor", 1.0)
-        self.weight = nn.Parameter(torch.zeros(c.n_routed_experts, c.hidden_size))
-        self.e_score_correction_bias = nn.Parameter(torch.zeros(c.n_routed_experts))
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [N, d] -> (index [N, k], weights [N, k] float32)."""
-        # `linear` and `elementwise_rows`: each row's scores as alone (under `rowwise`: packed rows).
-        scores = elementwise_rows(torch.sigmoid, linear(x.float(), self.weight.float()))
-        choice = scores + self.e_score_correction_bias.float()
-        n, e = choice.shape
-        groups = choice.view(n, self.n_group, e // self.n_group)
-        best = groups.topk(2, dim=-1)[0].sum(-1).topk(self.topk_group, dim=-1, sorted=False)[1]
-        keep = torch.zeros(n, self.n_group, dtype=torch.bool, device=x.device).scatter_(1, best, True)
-        choice = choice.masked_fill(~keep.repeat_interleave(e // self.n_group, dim=1), float("-inf"))
-        index = choice.topk(self.top_k, dim=-1, sorted=False)[1]
-        weights = scores.gather(1, index)
-        if self.norm_topk_prob:
-            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        return index, weights * self.scaling
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert e on rows x [n, d_in] -> [n, d_in] (`ops.linear.linear`: few bf16 rows take the
+        decode kernel)."""
+        return linear(elementwise_rows(relu2, linear(x, self.up_proj[e])), self.down_proj[e])
 
 
 class NemotronMoE(nn.Module):
@@ -156,7 +115,13 @@ class NemotronMoE(nn.Module):
     def __init__(self, c: Config):
         super().__init__()
         d, latent, bias = c.hidden_size, c.get("moe_latent_size"), c.get("mlp_bias", False)
-        self.gate = SigmoidRouter(c)
+        # Sigmoid scores in float32, `e_score_correction_bias` for the choice only, grouped top-k,
+        # renormalised (+1e-20) and scaled weights: transformers' NemotronHTopkRouter.
+        self.gate = Router(
+            d, c.n_routed_experts, c.num_experts_per_tok, SIGMOID, normalize=c.get("norm_topk_prob", True),
+            bias=True, n_group=c.get("n_group", 1), topk_group=c.get("topk_group", 1),
+            scaling=c.get("routed_scaling_factor", 1.0), float32_logits=True,
+        )
         self.experts = Relu2Experts(c.n_routed_experts, latent or d, c.moe_intermediate_size)
         self.shared_experts = Relu2MLP(d, c.moe_shared_expert_intermediate_size, bias)
         self.fc1_latent_proj = Linear(d, latent, bias=bias) if latent else None
@@ -166,7 +131,7 @@ class NemotronMoE(nn.Module):
         """x [B, L, d] -> [B, L, d]."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        index, weights = self.gate(flat)
+        weights, index = self.gate(flat)
         h = flat if self.fc1_latent_proj is None else self.fc1_latent_proj(flat)
         h = self.experts(h, index, weights)
         if self.fc2_latent_proj is not None:

@@ -25,7 +25,10 @@ A quantized checkpoint is a directory written by `save_quantized`:
     ``W[n, k] = q[n, k] * scale[n, k // G]``. GPTQ stores the words transposed ([in / 8, out]); the
     panels follow the CPU kernel's reads, where a 64-byte load is eight weights of 16 rows.
 
-  Everything else (embedding table, norms, convolutions, MoE expert stacks) keeps the model's dtype;
+  Routed-expert stacks are quantized per expert and projection: ``X.gate_up_proj.{e}.qweight`` /
+  ``.scales`` and ``X.down_proj.{e}.qweight`` / ``.scales`` (`models.moe.QuantExperts`) in place of
+  the stacked ``X.gate_up_proj`` / ``X.down_proj``. Everything else (embedding table, norms,
+  convolutions, MoE routers) keeps the model's dtype;
   the source's ``mtp.*`` tensors are copied unchanged, so a multi-token-prediction head still loads.
 - the source's other files (tokenizer, chat template, generation config).
 
@@ -54,6 +57,7 @@ from hybridlm.models.checkpoint import (
     weight_files,
 )
 from hybridlm.models.fused import unfused_state
+from hybridlm.models.moe import Experts, QuantExperts
 from hybridlm.ops.quant import INT4_GROUP, QUANTIZATIONS, QuantLinear, quantize_
 
 __all__ = ["QUANT_METHOD", "is_quantized", "load_quantized", "quantize_model", "save_quantized"]
@@ -79,14 +83,27 @@ def _place_buffers(model: nn.Module) -> None:
 
 
 @torch.no_grad()
+def _experts_of(model: nn.Module) -> list[tuple[str, nn.Module, str, Experts]]:
+    """(module path, parent module, attribute, module) of every bf16 routed-expert stack of `model`."""
+    return [
+        (f"{path}.{attr}".lstrip("."), parent, attr, child)
+        for path, parent in model.named_modules()
+        for attr, child in parent.named_children()
+        if isinstance(child, Experts)
+    ]
+
+
 def quantize_model(model: CausalLM, scheme: str, group_size: int = INT4_GROUP) -> CausalLM:
-    """Quantize every linear layer of `model` (LM head included) by `scheme` ("int8" / "int4"), in
-    place; returns `model`, with ``model.quantization`` = {"scheme", "group_size"}."""
+    """Quantize every linear layer of `model` (LM head included) and every routed-expert stack
+    (`models.moe.QuantExperts`) by `scheme` ("int8" / "int4"), in place; returns `model`, with
+    ``model.quantization`` = {"scheme", "group_size"}."""
     if scheme not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {scheme!r}; known: {', '.join(QUANTIZATIONS)}")
     if getattr(model, "quantization", None):
         raise ValueError(f"the model is already quantized ({model.quantization['scheme']})")
     quantize_(model, scheme, group_size)
+    for _, parent, attr, experts in _experts_of(model):
+        setattr(parent, attr, QuantExperts.from_experts(experts, scheme, group_size))
     _place_buffers(model)
     model.quantization = {"scheme": scheme, "group_size": group_size if scheme == "int4" else None}
     return model
@@ -138,6 +155,33 @@ def _empty_layer(layer: nn.Linear, q: torch.Tensor, scales: torch.Tensor | None,
         raise CheckpointError(f"{what}: {e}") from None
 
 
+def _empty_experts(
+    model: nn.Module, state: dict[str, torch.Tensor], source: dict[str, Path], root: Path
+) -> tuple[str, ...]:
+    """Swap each expert stack of the (meta) `model` whose tensors `state` holds quantized
+    (`experts.gate_up_proj.{e}.qweight`...) for the empty `QuantExperts` they describe; returns the
+    swapped stacks' name prefixes ("path.")."""
+    done = []
+    for path, parent, attr, experts in _experts_of(model):
+        if f"{path}.gate_up_proj.0.qweight" not in state:
+            continue
+        e, (inter2, d) = experts.num_experts, experts.gate_up_proj.shape[1:]
+        layers = {}
+        for proj, shape in (("gate_up_proj", (inter2, d)), ("down_proj", (d, inter2 // 2))):
+            template = nn.Linear(shape[1], shape[0], bias=False)
+            layers[proj] = []
+            for j in range(e):
+                name = f"{path}.{proj}.{j}"
+                if name + ".qweight" not in state:
+                    raise CheckpointError(f"{root}: missing tensor {name + '.qweight'!r}")
+                q, scales = state[name + ".qweight"], state.get(name + ".scales")
+                what = f"{source[name + '.qweight']}: {name!r}"
+                layers[proj].append(_empty_layer(template, q, scales, what))
+        setattr(parent, attr, QuantExperts(layers["gate_up_proj"], layers["down_proj"], experts.act_name))
+        done.append(path + ".")
+    return tuple(done)
+
+
 def assign_state(
     model: CausalLM, state: dict[str, torch.Tensor], source: dict[str, str], root: Path, dtype, device
 ) -> None:
@@ -173,7 +217,10 @@ def load_quantized(cls, root: Path, raw: dict, dtype: torch.dtype | None = None,
     state, source = read_tensors(weight_files(root), lambda name: None if name.startswith("mtp.") else name)
     with torch.device("meta"):
         model = cls(config)
+        stacks = _empty_experts(model, state, source, root)
         for name in [n.removesuffix(".qweight") for n in state if n.endswith(".qweight")]:
+            if name.startswith(stacks):
+                continue
             where = source[name + ".qweight"]
             parent_name, _, attr = name.rpartition(".")
             try:

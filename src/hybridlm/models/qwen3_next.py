@@ -13,76 +13,22 @@ import torch
 from torch import nn
 
 from hybridlm.models.base import Config, register
-from hybridlm.models.checkpoint import CheckpointError
-from hybridlm.models.layers import ACTIVATIONS, GatedMLP
+from hybridlm.models.checkpoint import take
+from hybridlm.models.layers import GatedMLP
+from hybridlm.models.moe import SOFTMAX, Experts, Router, SparseMoE, stack_experts
 from hybridlm.models.qwen3_5 import Qwen3_5, layer_types
-from hybridlm.ops.elementwise import elementwise_rows
-from hybridlm.ops.linear import Linear, linear
 
 
-class Experts(nn.Module):
-    """The routed experts, stored as transformers holds them: `gate_up_proj` [E, 2·I, d] (gate rows
-    first) and `down_proj` [E, d, I]."""
-
-    def __init__(self, num_experts: int, hidden: int, intermediate: int, act: str):
-        super().__init__()
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
-        self.act = ACTIVATIONS[act]
-
-    def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x [N, d], index / weights [N, k] (expert ids, routing weights in x's dtype) -> [N, d].
-
-        Tokens are grouped by expert and only the experts some token selected run, each as one
-        matmul over its tokens on a view of its weights (`ops.linear.linear`, so few-token bf16
-        calls take the decode kernel): at decode that reads exactly the k selected experts'
-        weights once.
-        """
-        k = index.shape[1]
-        flat = index.reshape(-1)
-        order = flat.argsort(stable=True)
-        hit, sizes = torch.unique_consecutive(flat[order], return_counts=True)
-        tokens = order // k
-        w = weights.reshape(-1)[order, None]
-        # Each expert's output is weighted in the activation dtype, the k of a token summed in
-        # float32 and rounded once (transformers' default grouped_mm path does the same).
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        start = 0
-        for e, n in zip(hit.tolist(), sizes.tolist(), strict=True):
-            rows = tokens[start : start + n]
-            gate, up = linear(x[rows], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = linear(elementwise_rows(self.act, gate) * up, self.down_proj[e])
-            # index_put_ accumulates serially: index_add_ opens a parallel region per expert, which
-            # cost milliseconds per call on a loaded 2-core machine. Either adds once per row.
-            out.index_put_((rows,), (y * w[start : start + n]).float(), accumulate=True)
-            start += n
-        return out.to(x.dtype)
-
-
-class SparseMoE(nn.Module):
-    """Top-k softmax router over `experts`, plus `shared_expert` scaled by sigmoid(`shared_expert_gate`)."""
-
-    def __init__(self, c: Config):
-        super().__init__()
-        act = c.get("hidden_act", "silu")
-        self.top_k, self.norm_topk_prob = c.num_experts_per_tok, c.get("norm_topk_prob", True)
-        self.gate = Linear(c.hidden_size, c.num_experts, bias=False)
-        self.experts = Experts(c.num_experts, c.hidden_size, c.moe_intermediate_size, act)
-        self.shared_expert = GatedMLP(c.hidden_size, c.shared_expert_intermediate_size, act)
-        self.shared_expert_gate = Linear(c.hidden_size, 1, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [B, L, d] -> [B, L, d]."""
-        shape = x.shape
-        x = x.reshape(-1, shape[-1])
-        # Routing probabilities in float32; the chosen weights go back to the activation dtype.
-        probs = self.gate(x).softmax(dim=-1, dtype=torch.float32)
-        weights, index = probs.topk(self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        out = self.experts(x, index, weights.to(x.dtype))
-        out = out + elementwise_rows(torch.sigmoid, self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out.view(shape)
+def sparse_moe(c: Config) -> SparseMoE:
+    """Top-k softmax router over the routed experts, plus `shared_expert` scaled by
+    sigmoid(`shared_expert_gate`); routing weights rounded to the activation dtype, as transformers
+    does."""
+    act = c.get("hidden_act", "silu")
+    top_k, normalize = c.num_experts_per_tok, c.get("norm_topk_prob", True)
+    router = Router(c.hidden_size, c.num_experts, top_k, SOFTMAX, normalize)
+    experts = Experts(c.num_experts, c.hidden_size, c.moe_intermediate_size, act)
+    shared = GatedMLP(c.hidden_size, c.shared_expert_intermediate_size, act)
+    return SparseMoE(router, experts, shared, "shared_expert", gated_shared=True, weights_dtype="activation")
 
 
 def is_sparse(c: Config, index: int) -> bool:
@@ -94,21 +40,11 @@ def is_sparse(c: Config, index: int) -> bool:
     )
 
 
-def take(state: dict[str, torch.Tensor], name: str, shape: tuple[int, ...]) -> torch.Tensor:
-    """Pop checkpoint tensor `name`, checking its shape."""
-    if name not in state:
-        raise CheckpointError(f"missing tensor {name!r}")
-    t = state.pop(name)
-    if tuple(t.shape) != shape:
-        raise CheckpointError(f"tensor {name!r} has shape {tuple(t.shape)}, expected {shape}")
-    return t
-
-
 @register("qwen3_next")
 class Qwen3Next(Qwen3_5):
     def mlp(self, c: Config, index: int) -> nn.Module:
         if is_sparse(c, index):
-            return SparseMoE(c)
+            return sparse_moe(c)
         return super().mlp(c, index)
 
     @classmethod
@@ -139,12 +75,14 @@ class Qwen3Next(Qwen3_5):
                 state[f"{la}.in_proj_a.weight"] = a.reshape(hv, d)
         sparse = [f"model.layers.{i}" for i in range(len(layer_types(c))) if is_sparse(c, i)]
         for p in sparse + (["mtp.layers.0"] if is_sparse(c, 0) else []):
-            e, inter = f"{p}.mlp.experts", c.moe_intermediate_size
-            if f"{e}.0.gate_proj.weight" in state:
-                n = range(c.num_experts)
-                gate = [take(state, f"{e}.{j}.gate_proj.weight", (inter, d)) for j in n]
-                up = [take(state, f"{e}.{j}.up_proj.weight", (inter, d)) for j in n]
-                down = [take(state, f"{e}.{j}.down_proj.weight", (d, inter)) for j in n]
-                state[f"{e}.gate_up_proj"] = torch.cat([torch.stack(gate), torch.stack(up)], dim=1)
-                state[f"{e}.down_proj"] = torch.stack(down)
+            stack_experts(state, f"{p}.mlp.experts", c.num_experts, d, c.moe_intermediate_size)
         return state
+
+
+@register("qwen3_5_moe_text", "qwen3_5_moe")
+class Qwen3_5Moe(Qwen3Next):
+    """Qwen3.5-MoE (`qwen3_5_moe_text`, and the vision-language `qwen3_5_moe` layout whose text model we
+    load): Qwen3.5's separate Gated DeltaNet projections and gated attention, the sparse MoE with a
+    sigmoid-gated shared expert on every layer (no dense MLP), zero-centred RMSNorm, and an MTP head
+    whose layer has the MoE block. Experts are stored one by one (`convert` stacks them) or already
+    stacked; the checkpoint's other names are Qwen3.5's (`remap`)."""

@@ -351,9 +351,12 @@ int hybridlm_linear_int4(const uint16_t* x, int64_t M, const uint8_t* q, const u
     const int64_t full = N / 16, ntiles = (full + tile_panels - 1) / tile_panels + (N % 16 != 0);
     #pragma omp parallel for schedule(static) num_threads(nthreads) if (N * K / 2 >= MIN_PARALLEL_BYTES)
     for (int64_t b = 0; b < ntiles; b++) {
-        const int64_t p0 = b * tile_panels;
-        const int np = p0 >= full ? 1 : (full - p0 < tile_panels ? (int)(full - p0) : tile_panels);
-        const uint16_t tail = p0 >= full ? (uint16_t)((1u << (N % 16)) - 1) : 0;
+        /* the short last panel is the last tile, at panel `full` (not b * tile_panels: with two-panel
+           tiles and an odd number of full panels that would be one panel past it) */
+        const int short_tile = N % 16 != 0 && b == ntiles - 1;
+        const int64_t p0 = short_tile ? full : b * tile_panels;
+        const int np = short_tile ? 1 : (full - p0 < tile_panels ? (int)(full - p0) : tile_panels);
+        const uint16_t tail = short_tile ? (uint16_t)((1u << (N % 16)) - 1) : 0;
         const int64_t n0 = p0 * 16, width = tail ? N % 16 : 16;
         const uint32_t* w = (const uint32_t*)(q + n0 * (K / 2));
         const uint16_t* s = scales + n0 * (K / G);

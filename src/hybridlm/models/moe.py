@@ -1,0 +1,320 @@
+"""Mixture-of-experts building blocks shared by the MoE families: the routed expert stacks, the
+routers, and the sparse block with its optional shared expert.
+
+Routers (each returns routing weights [N, k] float32 and expert ids [N, k]):
+
+- `softmax_topk`: softmax over the experts, top-k, optionally renormalised over the k (Qwen3-Next,
+  Qwen3.5-MoE, Gemma 4);
+- `sigmoid_topk`: sigmoid scores; a per-expert bias (DeepSeek-V3's `e_score_correction_bias`,
+  LFM2-MoE's `expert_bias`) added for *selection only*; optional group-limited selection (`n_group`
+  groups of experts ranked by the sum of their two best biased scores, the best `topk_group` kept);
+  the weights are the unbiased scores of the chosen experts, optionally renormalised, times
+  `routed_scaling_factor` (DeepSeek-V3, Kimi Linear, Ling, LFM2-MoE).
+
+`Router` holds a router's weight (`gate.weight` [E, d] in the checkpoints) and its bias buffer;
+`SparseMoE` joins a router, `Experts` (or their int8 / int4 form, `QuantExperts`) and an optional
+shared expert (sigmoid-gated where the family says) under the checkpoints' attribute names. Routers
+are not linear layers: quantizing a model leaves them in its dtype (their logits make discrete
+choices).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from hybridlm.models.checkpoint import CheckpointError, take
+from hybridlm.models.layers import ACTIVATIONS
+from hybridlm.ops.elementwise import elementwise_rows
+from hybridlm.ops.linear import Linear, linear
+from hybridlm.ops.quant import INT4_GROUP, QuantLinear
+
+SOFTMAX, SIGMOID = "softmax", "sigmoid"
+
+
+def dispatch(
+    x: torch.Tensor,
+    index: torch.Tensor,
+    weights: torch.Tensor,
+    expert: Callable[[int, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """Routed experts over tokens: x [N, d], index / weights [N, k] (expert ids; routing weights,
+    float32 or x's dtype: each expert's output is multiplied in that dtype), `expert(e, rows)` the
+    output [n, d] of expert e on rows [n, d] -> [N, d] in x's dtype.
+
+    Tokens are grouped by expert and only the experts some token selected run, each once over all
+    its tokens: at decode that reads exactly the k selected experts' weights, in a batched step or a
+    prompt chunk each chosen expert's weights once. A token's result does not depend on the other
+    tokens: its row of each expert's products is computed as the kernels compute a row (alone, or
+    inside `rowwise` in groups that give the same bits), and its k outputs are added in expert order.
+    """
+    k = index.shape[1]
+    flat = index.reshape(-1)
+    order = flat.argsort(stable=True)
+    hit, sizes = torch.unique_consecutive(flat[order], return_counts=True)
+    tokens = order // k
+    w = weights.reshape(-1)[order, None]
+    # Each expert's output is weighted in the routing weights' dtype, the k of a token summed in
+    # float32 and rounded once (transformers' default grouped_mm path does the same).
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    start = 0
+    for e, n in zip(hit.tolist(), sizes.tolist(), strict=True):
+        rows = tokens[start : start + n]
+        y = expert(e, x[rows])
+        # index_put_ accumulates serially: index_add_ opens a parallel region per expert, which
+        # cost milliseconds per call on a loaded 2-core machine. Either adds once per row.
+        out.index_put_((rows,), (y * w[start : start + n]).float(), accumulate=True)
+        start += n
+    return out.to(x.dtype)
+
+
+class Experts(nn.Module):
+    """The routed experts, stored as transformers holds them: `gate_up_proj` [E, 2·I, d] (gate rows
+    first) and `down_proj` [E, d, I]."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, act: str):
+        super().__init__()
+        self.num_experts, self.act_name = num_experts, act
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        self.act = ACTIVATIONS[act]
+
+    def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [N, d], index / weights [N, k] -> [N, d] (see `dispatch`). Each expert runs as one matmul
+        per projection over its tokens on a view of its weights (`ops.linear.linear`, so few-token
+        bf16 calls take the decode kernel)."""
+        return dispatch(x, index, weights, self.expert)
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert e on rows x [n, d] -> [n, d]."""
+        gate, up = linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
+        return linear(elementwise_rows(self.act, gate) * up, self.down_proj[e])
+
+
+class QuantExperts(nn.Module):
+    """Routed experts with int8 / int4 weights: per expert a `QuantLinear` in `gate_up_proj[e]`
+    ([2·I, d], gate rows first) and `down_proj[e]` ([d, I]), so every path of the quantized linear
+    layers serves them (the decode kernels on a token's experts, int8-activation GEMMs on prompt
+    chunks, row groups inside `rowwise`). A quantized checkpoint names their tensors
+    `experts.gate_up_proj.{e}.qweight` / `.scales` and likewise for `down_proj`."""
+
+    def __init__(self, gate_up: list[QuantLinear], down: list[QuantLinear], act: str):
+        super().__init__()
+        self.num_experts, self.act_name = len(gate_up), act
+        self.gate_up_proj = nn.ModuleList(gate_up)
+        self.down_proj = nn.ModuleList(down)
+        self.act = ACTIVATIONS[act]
+
+    @classmethod
+    @torch.no_grad()
+    def from_experts(cls, experts: Experts, scheme: str, group_size: int = INT4_GROUP) -> QuantExperts:
+        """`experts` quantized by `scheme` ("int8" / "int4"; a projection whose input width is not a
+        multiple of `group_size` gets int8, as `ops.quant.quantize_` does for linear layers)."""
+
+        def quantized(w: torch.Tensor) -> QuantLinear:
+            layer = nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")
+            layer.weight = nn.Parameter(w, requires_grad=False)
+            fits = scheme == "int8" or w.shape[1] % group_size == 0
+            return QuantLinear.from_linear(layer, scheme if fits else "int8", group_size)
+
+        gate_up = [quantized(experts.gate_up_proj[e]) for e in range(experts.num_experts)]
+        down = [quantized(experts.down_proj[e]) for e in range(experts.num_experts)]
+        return cls(gate_up, down, experts.act_name)
+
+    def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [N, d], index / weights [N, k] -> [N, d] (see `dispatch`)."""
+        return dispatch(x, index, weights, self.expert)
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert e on rows x [n, d] -> [n, d]."""
+        gate, up = self.gate_up_proj[e](x).chunk(2, dim=-1)
+        return self.down_proj[e](elementwise_rows(self.act, gate) * up)
+
+
+def softmax_topk(
+    logits: torch.Tensor, top_k: int, normalize: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [N, E] -> (weights [N, top_k] float32, expert ids [N, top_k]): the `top_k` largest
+    softmax probabilities (computed in float32), renormalised to sum to 1 when `normalize`."""
+    probs = logits.softmax(dim=-1, dtype=torch.float32)
+    weights, index = probs.topk(top_k, dim=-1)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, index
+
+
+def sigmoid_topk(
+    logits: torch.Tensor,
+    top_k: int,
+    bias: torch.Tensor | None = None,
+    n_group: int = 1,
+    topk_group: int = 1,
+    normalize: bool = True,
+    scaling: float = 1.0,
+    eps: float = 1e-20,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [N, E] -> (weights [N, top_k] float32, expert ids [N, top_k]).
+
+    Scores are sigmoid(logits) in float32. Selection ranks `scores + bias` (bias [E] or None);
+    with `n_group` > 1 the E experts form `n_group` consecutive groups, each rated by the sum of its
+    two best biased scores, and only the experts of the best `topk_group` groups compete. The
+    weights are the chosen experts' unbiased scores, divided by their sum (+ `eps`: DeepSeek-V3
+    and its kin add 1e-20, LFM2-MoE 1e-6) when `normalize`, then multiplied by `scaling`
+    (`routed_scaling_factor`).
+    """
+    # elementwise_rows: a row's scores are the bits it gets alone (row independence in packed steps)
+    scores = elementwise_rows(torch.sigmoid, logits.float())
+    choice = scores if bias is None else scores + bias.float()
+    if n_group > 1:
+        n, e = choice.shape
+        group_scores = choice.view(n, n_group, e // n_group).topk(2, dim=-1).values.sum(dim=-1)
+        keep = group_scores.topk(topk_group, dim=-1).indices
+        mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+        choice = choice.masked_fill(~mask.repeat_interleave(e // n_group, dim=1), float("-inf"))
+    index = choice.topk(top_k, dim=-1).indices
+    weights = scores.gather(1, index)
+    if normalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + eps)
+    return weights * scaling, index
+
+
+def check_routing(num_experts: int, top_k: int, n_group: int = 1, topk_group: int = 1) -> None:
+    """Raise `CheckpointError` unless a router can pick `top_k` of `num_experts` experts (in
+    `topk_group` of `n_group` groups)."""
+    if not 0 < top_k <= num_experts:
+        raise CheckpointError(f"num_experts_per_tok={top_k} must be between 1 and num_experts={num_experts}")
+    if n_group > 1:
+        if num_experts % n_group or num_experts // n_group < 2:
+            raise CheckpointError(
+                f"n_group={n_group} must divide num_experts={num_experts} into groups of 2 or more experts"
+            )
+        if not 0 < topk_group <= n_group or top_k > topk_group * (num_experts // n_group):
+            raise CheckpointError(
+                f"topk_group={topk_group} of n_group={n_group} groups cannot hold "
+                f"num_experts_per_tok={top_k} experts"
+            )
+
+
+class Router(nn.Module):
+    """A router's parameters (`weight` [E, d], the checkpoints' `gate.weight`; with `bias`, the
+    selection bias buffer `e_score_correction_bias` [E]) and its rule: `scoring` SOFTMAX
+    (`softmax_topk`) or SIGMOID (`sigmoid_topk` with the group, normalisation and scaling
+    settings). `float32_logits`: the logits multiply in float32 (DeepSeek-V3's kin), else in the
+    activation dtype (Qwen, LFM2)."""
+
+    def __init__(
+        self,
+        hidden: int,
+        num_experts: int,
+        top_k: int,
+        scoring: str = SOFTMAX,
+        normalize: bool = True,
+        bias: bool = False,
+        n_group: int = 1,
+        topk_group: int = 1,
+        scaling: float = 1.0,
+        eps: float = 1e-20,
+        float32_logits: bool = False,
+    ):
+        super().__init__()
+        if scoring not in (SOFTMAX, SIGMOID):
+            raise ValueError(f"router scoring {scoring!r}: expected {SOFTMAX!r} or {SIGMOID!r}")
+        if scoring == SOFTMAX and (bias or n_group > 1 or scaling != 1.0):
+            raise ValueError("a softmax router takes no selection bias, groups or scaling")
+        check_routing(num_experts, top_k, n_group, topk_group)
+        self.top_k, self.scoring, self.normalize = top_k, scoring, normalize
+        self.n_group, self.topk_group, self.scaling, self.eps = n_group, topk_group, scaling, eps
+        self.float32_logits = float32_logits
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden))
+        if bias:
+            self.register_buffer("e_score_correction_bias", torch.zeros(num_experts))
+        else:
+            self.e_score_correction_bias = None
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, d] -> router logits [N, E] (float32 or x's dtype, see `float32_logits`)."""
+        if self.float32_logits:
+            return linear(x.float(), self.weight.float())
+        return linear(x, self.weight)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, d] -> (routing weights [N, k] float32, expert ids [N, k])."""
+        logits = self.logits(x)
+        if self.scoring == SOFTMAX:
+            return softmax_topk(logits, self.top_k, self.normalize)
+        return sigmoid_topk(
+            logits, self.top_k, self.e_score_correction_bias, self.n_group, self.topk_group,
+            self.normalize, self.scaling, self.eps,
+        )
+
+
+class SparseMoE(nn.Module):
+    """`gate` (a `Router`) picks experts of `experts` per token; plus, when given, a shared expert under
+    attribute `shared_name` (`shared_expert` in Qwen, `shared_experts` in DeepSeek's kin) added to
+    every token, scaled by sigmoid(`shared_expert_gate`(x)) [N, 1] when `gated_shared`.
+
+    `weights_dtype`: the dtype the routing weights multiply the experts' outputs in: "float32"
+    (DeepSeek-V3's kin, Gemma 4) or "activation" (Qwen, LFM2-MoE: transformers rounds them first).
+    """
+
+    def __init__(
+        self,
+        gate: Router,
+        experts: Experts,
+        shared: nn.Module | None = None,
+        shared_name: str = "shared_expert",
+        gated_shared: bool = False,
+        weights_dtype: str = "float32",
+    ):
+        super().__init__()
+        if weights_dtype not in ("float32", "activation"):
+            raise ValueError(f"weights_dtype {weights_dtype!r}: expected 'float32' or 'activation'")
+        self.gate, self.experts = gate, experts
+        self.shared_name = shared_name if shared is not None else None
+        if shared is not None:
+            setattr(self, shared_name, shared)
+        hidden = gate.weight.shape[1]
+        gated = shared is not None and gated_shared
+        self.shared_expert_gate = Linear(hidden, 1, bias=False) if gated else None
+        self.weights_in_activation_dtype = weights_dtype == "activation"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., d] -> [..., d]."""
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        weights, index = self.gate(x)
+        if self.weights_in_activation_dtype:
+            weights = weights.to(x.dtype)
+        out = self.experts(x, index, weights)
+        if self.shared_name is not None:
+            shared = getattr(self, self.shared_name)(x)
+            if self.shared_expert_gate is not None:
+                shared = elementwise_rows(torch.sigmoid, self.shared_expert_gate(x)) * shared
+            out = out + shared
+        return out.view(shape)
+
+
+def stack_experts(
+    state: dict[str, torch.Tensor],
+    prefix: str,
+    num_experts: int,
+    hidden: int,
+    intermediate: int,
+    names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+) -> None:
+    """Stack the per-expert tensors `{prefix}.{e}.{gate,up,down}.weight` of `state` (in place) into
+    `Experts`' `{prefix}.gate_up_proj` [E, 2·I, d] and `{prefix}.down_proj` [E, d, I]. `names`: the
+    checkpoint's gate / up / down names (LFM2-MoE and Kimi: w1 / w3 / w2). A state already holding
+    the stacked tensors (checkpoints written fused) is left as it is; a missing or misshapen expert
+    tensor raises `CheckpointError`."""
+    gate_name, up_name, down_name = names
+    if f"{prefix}.0.{gate_name}.weight" not in state:
+        return
+    n = range(num_experts)
+    gate = [take(state, f"{prefix}.{e}.{gate_name}.weight", (intermediate, hidden)) for e in n]
+    up = [take(state, f"{prefix}.{e}.{up_name}.weight", (intermediate, hidden)) for e in n]
+    down = [take(state, f"{prefix}.{e}.{down_name}.weight", (hidden, intermediate)) for e in n]
+    state[f"{prefix}.gate_up_proj"] = torch.cat([torch.stack(gate), torch.stack(up)], dim=1)
+    state[f"{prefix}.down_proj"] = torch.stack(down)
