@@ -12,7 +12,8 @@ from hybridlm.models.base import forward_packed
 from hybridlm.ops.native import FEW_TOKENS
 from hybridlm.ops.quant import quantize_
 
-FAMILIES = ["qwen3_5_text", "qwen3_next", "lfm2", "gemma3_text", "gemma4_text", "dense_llama"]
+FAMILIES = ["qwen3_5_text", "qwen3_next", "lfm2", "gemma3_text", "gemma4_text", "dense_llama", "bamba",
+            "nemotron_h", "falcon_h1"]
 
 
 def steps(model, prompt, sizes, threads):
