@@ -18,7 +18,8 @@ from hybridlm.cluster import Deployment, StoreServer
 from hybridlm.models.tokenizer import Tokenizer
 from hybridlm.prefix.store import StoreTier, prefix_keys
 from hybridlm.ray_serve import PrefixAwareRouter, RayCluster, build, request_tokens
-from hybridlm.server.responses import ResponsesRequest, ResponseStore, prepare
+from hybridlm.server.response_store import ResponseStore
+from hybridlm.server.responses import ResponsesRequest, prepare
 
 MODEL = "hybridlm"
 

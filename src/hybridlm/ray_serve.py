@@ -142,7 +142,7 @@ class PrefixAwareRouter(RequestRouter):
     ) -> None:
         from hybridlm.models.tokenizer import Tokenizer
         from hybridlm.prefix.store import StoreTier
-        from hybridlm.server.responses import ResponseStore
+        from hybridlm.server.response_store import ResponseStore
 
         self.tokenizer = Tokenizer.from_dir(model)
         self.store = StoreTier(store_url, fingerprint, retry_s=2.0) if store_url else None

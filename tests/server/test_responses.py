@@ -24,7 +24,8 @@ import hybridlm
 from hybridlm.engine import Engine
 from hybridlm.server.app import create_app
 from hybridlm.server.chat import Part, plan_chat
-from hybridlm.server.responses import Output, ResponsesRequest, ResponseStore, input_messages, prepare, seal
+from hybridlm.server.response_store import ResponseStore
+from hybridlm.server.responses import Output, ResponsesRequest, input_messages, prepare, seal
 from hybridlm.server.tools import ToolCall
 from tests.server.conftest import API_KEY, CONTEXT, MODEL, ServerProcess
 from tests.server.test_agent_api import PERSON, WEATHER_PARAMS, unique
