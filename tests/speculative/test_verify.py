@@ -18,7 +18,10 @@ from tests.speculative.helpers import (
     speculative_greedy,
 )
 
-FAMILIES = ["qwen3_5_text", "qwen3_next", "lfm2", "gemma3_text", "dense_llama", "dense_qwen3"]
+FAMILIES = [
+    "qwen3_5_text", "qwen3_next", "qwen3_5_moe_text", "lfm2", "lfm2_moe", "gemma3_text", "dense_llama",
+    "dense_qwen3",
+]
 # A draft model of another family with the same vocabulary: its caches are of other kinds.
 OTHER_DRAFT = {
     "qwen3_5_text": "lfm2",
@@ -27,6 +30,8 @@ OTHER_DRAFT = {
     "gemma3_text": "qwen3_next",
     "dense_llama": "qwen3_5_text",
     "dense_qwen3": "lfm2",
+    "qwen3_5_moe_text": "lfm2_moe",
+    "lfm2_moe": "qwen3_5_moe_text",
 }
 PROMPT_LENGTHS = (4, 21, 45)  # the sliding layers (window 16) wrap in the prompt or while decoding
 GENERATE = 40
