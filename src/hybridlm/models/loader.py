@@ -16,6 +16,7 @@ from hybridlm.models.checkpoint import (
     CheckpointError,
     check_tensors,
     default_device,
+    load_dtype,
     placed,
     read_json,
     read_tensors,
@@ -86,7 +87,7 @@ def load_weights(cls, root: Path, raw: dict, dtype: torch.dtype | None = None, d
     state = cls.convert(state, config)
     check_tensors(state, expected, source, root)
     # index tables (the Gemma 4 assistant's token ordering) must not become floats
-    state = {k: placed(v, device, dtype if v.is_floating_point() else v.dtype) for k, v in state.items()}
+    state = {k: placed(v, device, load_dtype(k, v, dtype)) for k, v in state.items()}
     model.load_state_dict(state, strict=False, assign=True)
     if model.tied:
         model.lm_head.weight = model.model.embed_tokens.weight
