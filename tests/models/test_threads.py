@@ -12,7 +12,10 @@ from hybridlm.models.base import forward_packed
 from hybridlm.ops.native import FEW_TOKENS
 from hybridlm.ops.quant import quantize_
 
-FAMILIES = ["qwen3_5_text", "qwen3_next", "lfm2", "gemma3_text", "gemma4_text", "dense_llama"]
+FAMILIES = [
+    "qwen3_5_text", "qwen3_next", "qwen3_5_moe_text", "lfm2", "lfm2_moe", "gemma3_text", "gemma4_text",
+    "dense_llama",
+]
 
 
 def steps(model, prompt, sizes, threads):
