@@ -1,9 +1,17 @@
 import os
 
-import pytest
-import torch
+# Under pytest-xdist the two workers share the machine's cores: one torch thread each (and in the
+# servers they start) keeps OpenMP's spinning teams from fighting over the same cores. Set before
+# torch loads, which reads it once; tests of multi-threaded behaviour set their thread counts.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 torch.set_flush_denormal(True)
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
 os.environ.setdefault("HYBRIDLM_LOG_LEVEL", "WARNING")
 
 

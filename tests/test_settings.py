@@ -37,7 +37,10 @@ def test_serve_parses_into_every_field_and_nothing_else():
     assert Settings.of(args) == Settings.parse([])
 
 
-@pytest.mark.parametrize(("name", "flag"), [(n, f) for n, f in declared() if f.env], ids=lambda x: str(x))
+# ids by name: a Flag's repr holds function addresses, which differ between pytest-xdist's workers
+@pytest.mark.parametrize(
+    ("name", "flag"), [pytest.param(n, f, id=n) for n, f in declared() if f.env]
+)
 def test_each_variable_sets_its_setting(name, flag, monkeypatch):
     examples = {"cache_store": "redis://h:1/2", "quantize": "int8", "draft_quantize": "int4"}
     examples |= {"speculative": "ngram", "context_length": "64", "port": "8123"}

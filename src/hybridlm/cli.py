@@ -379,6 +379,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--prefill", type=int, nargs="+", default=[512, 2048], help="prefill lengths (default 512 2048)"
     )
     f.add_argument("--decode", type=int, default=32, help="decode steps to time (default 32)")
+    f.add_argument("--rows", type=int, nargs="+", default=None, metavar="N",
+                   help="also time a continuous-batching step of N sequences packed into one forward, "
+                   "against the one-row step (e.g. --rows 8)")
     f.add_argument("--breakdown", type=int, default=None, metavar="TOKENS",
                    help="also time one prefill of TOKENS tokens by part (linear layers, mixers, norms)")
     add_bench_args(f)
@@ -476,12 +479,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_flags(m, (MODEL,))
     m.add_argument("--preset", choices=["qwen3.5-0.8b"], default=None, help="random checkpoint of this shape")
-    m.add_argument("--conversations", type=int, default=4, help="interleaved conversations (default 4)")
-    m.add_argument("--turns", type=int, default=5, help="turns per conversation (default 5)")
     m.add_argument(
-        "--system-tokens", type=int, default=1024, help="shared system prompt length (default 1024)"
+        "--trace",
+        choices=["chat", "agents"],
+        default="chat",
+        help="chat: interleaved users, replayed one request at a time, at two cache budgets; agents: two "
+        "coding agents at once sharing a preamble, growing tool results, one compaction (default chat)",
     )
-    m.add_argument("--gen", type=int, default=16, help="tokens generated per turn (default 16)")
+    m.add_argument("--conversations", type=int, default=None, help="conversations / agents (default 4 / 2)")
+    m.add_argument("--turns", type=int, default=None, help="requests each (default 5 / 8)")
+    m.add_argument(
+        "--system-tokens", type=int, default=None, help="shared system prompt (default 1024 / 3000)"
+    )
+    m.add_argument("--gen", type=int, default=None, help="tokens generated per request (default 16 / 48)")
     m.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per forward (default 512)")
     m.add_argument("--seed", type=int, default=0, help="trace seed (default 0)")
     add_bench_args(m)

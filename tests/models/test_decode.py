@@ -24,7 +24,7 @@ from hybridlm.ops.quant_gemm import prompt_rows
 
 FAMILIES = [
     "qwen3_5_text", "qwen3_next", "qwen3_5_moe_text", "lfm2", "lfm2_moe", "gemma3_text", "gemma4_text",
-    "dense_qwen3", "dense_llama",
+    "dense_qwen3", "dense_llama", "kimi_linear", "bailing_hybrid",
 ]
 # The families whose every layer the plan runs without a module call.
 PLANNED = ["qwen3_5_text", "dense_qwen3", "dense_llama"]

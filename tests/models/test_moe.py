@@ -31,6 +31,7 @@ from hybridlm.models.moe import (
 )
 from hybridlm.ops.linear import rowwise
 from hybridlm.ops.native import FEW_TOKENS
+from hybridlm.ops.quant_gemm import ACT_BLOCK, integer_prefill, quantize_activations
 
 
 def brute_force_route(
@@ -165,14 +166,22 @@ def test_routers_equal_transformers_qwen3_5_moe_lfm2_moe_and_deepseek_v3():
         torch.testing.assert_close(got_w.gather(1, order), want_w, rtol=1e-6, atol=1e-7)
 
 
-def dense_experts_reference(x, gate_up, down, index, weights) -> torch.Tensor:
-    """Every token through its own k experts, one at a time, in float64."""
+def dense_experts_reference(x, gate_up, down, index, weights, block: int | None = None) -> torch.Tensor:
+    """Every token through its own k experts, one at a time, in float64; with `block`, each
+    projection's input as the integer kernels multiply it: quantized to int8 per `block` inputs."""
+
+    def seen(v: torch.Tensor) -> torch.Tensor:
+        if block is None:
+            return v
+        xq, xs = quantize_activations(v.to(torch.bfloat16)[None], block)
+        return (xq.double().view(xs.shape[1], block) * xs.double()[0, :, None]).view(-1)
+
     x, gate_up, down, weights = x.double(), gate_up.double(), down.double(), weights.double()
     out = torch.zeros_like(x)
     for t in range(x.shape[0]):
         for j, e in enumerate(index[t].tolist()):
-            gate, up = (gate_up[e] @ x[t]).chunk(2)
-            out[t] += weights[t, j] * (down[e] @ (F.silu(gate) * up))
+            gate, up = (gate_up[e] @ seen(x[t])).chunk(2)
+            out[t] += weights[t, j] * (down[e] @ seen(F.silu(gate) * up))
     return out
 
 
@@ -204,14 +213,18 @@ def dequantized(experts: QuantExperts) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("tokens", [1, FEW_TOKENS, 40])  # decode, a verify pass, a prompt chunk
 def test_quantized_experts_equal_their_dequantized_weights_computed_densely(scheme, tokens):
     """int8 / int4 experts (through the quantized kernels: decode, few-row and prompt paths) against
-    every token's own experts in float64 on the dequantized weights, bf16 activations."""
+    every token's own experts in float64 on the dequantized weights, the activations as the kernels
+    take them: bf16, or int8 per group where the rows take the integer kernel (int4 on AVX2)."""
     experts = QuantExperts.from_experts(random_experts(6, 64, 64, seed=5), scheme)
     assert {q.bits for q in [*experts.gate_up_proj, *experts.down_proj]} == {8 if scheme == "int8" else 4}
     gen = torch.Generator().manual_seed(tokens)
     x = torch.randn(tokens, 64, generator=gen).bfloat16()
     weights, index = softmax_topk(torch.randn(tokens, 6, generator=gen), 3)
     got = experts(x, index, weights).double()
-    want = dense_experts_reference(x, *dequantized(experts), index, weights)
+    first = experts.gate_up_proj[0]
+    integer = first._decodes_in_integers() or (tokens > FEW_TOKENS and integer_prefill())
+    block = (first.group_size if first.bits == 4 else ACT_BLOCK) if integer else None
+    want = dense_experts_reference(x, *dequantized(experts), index, weights, block)
     # bf16 rounding of the activations between the projections and of the output
     torch.testing.assert_close(got, want, rtol=0, atol=2e-2 * want.abs().max().item())
 

@@ -34,6 +34,8 @@ PACKING = [
     "gemma4_vl",
     "dense_qwen3",
     "dense_llama",
+    "kimi_linear",
+    "bailing_hybrid",
 ]
 
 # Prompt lengths: the longest runs past the Gemma sliding windows (12 and 16 tokens).

@@ -1,6 +1,9 @@
-"""`elementwise_rows`: each row of an activation computed as alone, whatever rows sit beside it."""
+"""`elementwise_rows` / `token_rows`: each row of an activation (each token of a per-token function)
+computed as alone, whatever rows sit beside it."""
 
 from __future__ import annotations
+
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -57,3 +60,24 @@ def test_prefill_sized_inputs_take_the_function_directly():
     x = torch.randn(FEW_TOKENS + 1, 48, generator=torch.Generator().manual_seed(0))
     assert elementwise_rows(F.silu, x).equal(F.silu(x))
     assert elementwise_rows(F.silu, x[None]).shape == (1, FEW_TOKENS + 1, 48)
+
+
+def test_token_rows_compute_every_token_as_alone():
+    """`token_rows` over a per-head gated norm (it reduces within a token): each token of a few-token
+    batch, and of any batch under `rowwise()`, is bit for bit that token's own call; prefill-sized
+    inputs outside `rowwise()` take the function directly."""
+    from hybridlm.ops.elementwise import token_rows
+    from hybridlm.ops.norms import SigmoidGatedRMSNorm
+
+    norm = SigmoidGatedRMSNorm(16)
+    gen = torch.Generator().manual_seed(0)
+    for rows, ctx in ((FEW_TOKENS, nullcontext), (3 * FEW_TOKENS, rowwise)):
+        x, gate = (torch.randn(1, rows, 3, 16, generator=gen) for _ in range(2))
+        with ctx():
+            got = token_rows(norm, x, gate)
+        for t in range(rows):
+            assert torch.equal(got[:, t], norm(x[:, t : t + 1], gate[:, t : t + 1])[:, 0])
+    x = torch.randn(1, 2 * FEW_TOKENS + 1, 3, 16, generator=gen)
+    calls = []
+    token_rows(lambda a: calls.append(a.shape) or a, x)
+    assert calls == [x.shape]

@@ -6,6 +6,7 @@ import hybridlm.ops.quant as quant_mod
 from hybridlm.ops.linear import rowwise
 from hybridlm.ops.native import FEW_TOKENS, NativeKernel
 from hybridlm.ops.quant import QuantLinear, from_panels, pack_int4, quantize_, to_panels, unpack_int4
+from hybridlm.ops.quant_gemm import quantize_activations
 
 SCHEMES = ["int8", "int4"]
 # int4 with fp16 scales, as a GPTQ checkpoint loads
@@ -38,10 +39,16 @@ def _quantized(layer: nn.Linear, scheme: str) -> QuantLinear:
 
 
 def _reference(q: QuantLinear, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """float64 x @ W^T + b with W the exact dequantized weight, and the bound of |x| @ |W|^T."""
+    """float64 x @ W^T + b with W the exact dequantized weight, and the bound of |x| @ |W|^T. Where
+    int4 decode rows take the integer kernel (AVX2), x is what that kernel multiplies: its int8
+    quantization per group, xq · xs."""
     w = q.dequantized(torch.float64)
-    ref = x.double() @ w.T + (0 if q.bias is None else q.bias.double())
-    return ref, x.double().abs() @ w.abs().T
+    x = x.double()
+    if q._decodes_in_integers():
+        xq, xs = quantize_activations(x.to(torch.bfloat16), q.group_size)
+        x = (xq.double().view(*xs.shape, -1) * xs.double()[..., None]).view(x.shape)
+    ref = x @ w.T + (0 if q.bias is None else q.bias.double())
+    return ref, x.abs() @ w.abs().T
 
 
 @needs_kernels

@@ -68,9 +68,10 @@ def _int8_reference64(x, layer):
 
 # whole-row scales (96 is no multiple of ACT_BLOCK), ACT_BLOCK blocks; a short last panel; no bias
 @pytest.mark.parametrize("k, n, bias", [(96, 48, True), (256, 37, True), (256, 32, False)])
-def test_int8_prefill_equals_a_float64_reference_of_the_quantized_math(k, n, bias, integer_isa):
+@pytest.mark.parametrize("rows", [1, 4, 30])  # every tile height (AVX2: 6 rows, a call site per count)
+def test_int8_prefill_equals_a_float64_reference_of_the_quantized_math(k, n, bias, rows, integer_isa):
     layer = _layer(k, n, "int8", bias=bias)
-    x = _x(30, k)
+    x = _x(rows, k)
     y = int8_prefill(x, layer.qweight, layer.scales, layer.bias).double()
     ref, magnitude = _int8_reference64(x, layer)
     # one bf16 rounding of the result plus float32 rounding of each block's term and running sum
@@ -102,11 +103,12 @@ def _int4_reference64(x, layer):
 
 # full panels, a short last one, GPTQ's fp16 scales
 @pytest.mark.parametrize("n, fp16", [(48, False), (37, False), (40, True)])
-def test_int4_prefill_equals_a_float64_reference_of_the_quantized_math(n, fp16, integer_isa):
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 30])  # every tile height (AVX2: 6 rows)
+def test_int4_prefill_equals_a_float64_reference_of_the_quantized_math(n, fp16, rows, integer_isa):
     layer = _layer(256, n, "int4")
     if fp16:
         layer.scales = layer.scales.to(torch.float16)
-    x = _x(30, 256)
+    x = _x(rows, 256)
     y = int4_prefill(x, layer.qweight, layer.scales, layer.group_size, layer.bias).double()
     ref, magnitude = _int4_reference64(x, layer)
     # one bf16 rounding of the result plus float32 rounding of each group's term and running sum
@@ -131,17 +133,21 @@ def test_quant_linear_prefill_rows_take_the_integer_path(scheme):
     x = _x(2 * FEW_TOKENS, 128).view(2, FEW_TOKENS, 128)
     want = layer._forward_integer(x.reshape(-1, 128)).view(2, FEW_TOKENS, 45)
     assert torch.equal(layer(x), want)
+    few = layer(x[0, :3])
+    if layer._decodes_in_integers():  # int4 on AVX2: decode rows are prefill rows
+        assert torch.equal(few, want[0, :3])
+        return
     # decode-shaped calls keep bf16 activations: the quantized activations' error is absent there
     dense = x.float() @ layer.dequantized(torch.float32).T + layer.bias.float()
-    few = layer(x[0, :3]).float()
-    assert (few - dense[0, :3]).abs().max() < (want[0, :3].float() - dense[0, :3]).abs().max()
+    assert (few.float() - dense[0, :3]).abs().max() < (want[0, :3].float() - dense[0, :3]).abs().max()
 
 
 @needs_integer
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_prompt_rows_take_the_integer_path_however_few(scheme):
     """Inside `prompt_rows` a call of 1 or 5 rows computes them as the one-piece prefill does, bit for
-    bit; outside, the same rows take the decode kernel (bf16 activations) and differ."""
+    bit; outside, the same rows take the decode kernel (bf16 activations) and differ, but where int4
+    decode rows take the integer kernel too (AVX2)."""
     layer = _layer(128, 45, scheme)
     x = _x(35, 128)
     whole = layer(x)
@@ -150,7 +156,7 @@ def test_prompt_rows_take_the_integer_path_however_few(scheme):
         assert torch.equal(layer(x[30:]), whole[30:])
         assert torch.equal(layer(x[None, 3:4]), whole[None, 3:4])
     assert not quant_gemm.prompt_rows_on()
-    assert not torch.equal(layer(x[30:]), whole[30:])
+    assert torch.equal(layer(x[30:]), whole[30:]) == layer._decodes_in_integers()
 
 
 def test_quant_linear_float32_prefill_keeps_the_dequantized_path():

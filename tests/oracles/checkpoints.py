@@ -4,10 +4,24 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.oracles import dense, gemma3, gemma4, lfm2, lfm2_moe, mtp, qwen3_5, qwen3_5_moe, qwen3_next
+from tests.oracles import (
+    bailing_hybrid,
+    dense,
+    gemma3,
+    gemma4,
+    kimi_linear,
+    lfm2,
+    lfm2_moe,
+    mtp,
+    qwen3_5,
+    qwen3_5_moe,
+    qwen3_next,
+)
 from tests.oracles.common import Checkpoint
 
-MODULES = [qwen3_5, qwen3_next, qwen3_5_moe, lfm2, lfm2_moe, gemma3, gemma4, dense, mtp]
+MODULES = [
+    qwen3_5, qwen3_next, qwen3_5_moe, lfm2, lfm2_moe, gemma3, gemma4, dense, mtp, kimi_linear, bailing_hybrid
+]
 BUILDERS = {name: fn for m in MODULES for name, fn in m.BUILDERS.items()}
 REPRESENTATIVE = [name for m in MODULES for name in m.REPRESENTATIVE]
 

@@ -48,3 +48,13 @@ def randomize(model, seed: int) -> None:
                 p.copy_(torch.rand(p.shape, generator=g) + 0.5)
             else:
                 p.copy_(p + torch.randn(p.shape, generator=g) * 0.1)
+
+
+def randomize_router_bias(model, seed: int) -> None:
+    """Random `e_score_correction_bias` buffers (DeepSeek-style routers; zero at init, so parity would
+    not see whether the bias steers the choice of experts)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(torch.randn(buf.shape, generator=g) * 0.1)

@@ -17,7 +17,10 @@ from hybridlm.prefix.cache import CapturePlan, PrefixCache, Session, common_pref
 from hybridlm.prefix.session import budgeted
 from hybridlm.prefix.trie import Trie
 
-KINDS = ["qwen3_5_text", "qwen3_5_moe_text", "lfm2", "lfm2_moe", "gemma3_text", "gemma4_text", "dense_llama"]
+KINDS = [
+    "qwen3_5_text", "qwen3_5_moe_text", "lfm2", "lfm2_moe", "gemma3_text", "gemma4_text", "dense_llama",
+    "kimi_linear", "bailing_hybrid",
+]
 
 
 class Oracle:

@@ -26,7 +26,9 @@ def test_chat_non_streaming_and_usage(client, tokenizer):
     assert choice.message.role == "assistant" and isinstance(choice.message.content, str)
     prompt = tokenizer.encode(tokenizer.apply_chat_template(HELLO))
     assert r.usage.prompt_tokens == len(prompt)
-    assert r.usage.prompt_tokens_details.cached_tokens == 0
+    # The session's server is shared by every server test file, and the trie reuses any shared
+    # prefix (the template's opening tokens at least): what ran before decides how much is cached.
+    assert 0 <= r.usage.prompt_tokens_details.cached_tokens < r.usage.prompt_tokens
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
     if choice.finish_reason == "length":
         assert r.usage.completion_tokens == 12

@@ -20,7 +20,7 @@ from tests.speculative.helpers import (
 
 FAMILIES = [
     "qwen3_5_text", "qwen3_next", "qwen3_5_moe_text", "lfm2", "lfm2_moe", "gemma3_text", "dense_llama",
-    "dense_qwen3",
+    "dense_qwen3", "kimi_linear", "bailing_hybrid",
 ]
 # A draft model of another family with the same vocabulary: its caches are of other kinds.
 OTHER_DRAFT = {
@@ -32,6 +32,8 @@ OTHER_DRAFT = {
     "dense_qwen3": "lfm2",
     "qwen3_5_moe_text": "lfm2_moe",
     "lfm2_moe": "qwen3_5_moe_text",
+    "kimi_linear": "qwen3_5_text",
+    "bailing_hybrid": "lfm2",
 }
 PROMPT_LENGTHS = (4, 21, 45)  # the sliding layers (window 16) wrap in the prompt or while decoding
 GENERATE = 40

@@ -156,6 +156,29 @@ def time_decode(model, steps: int, context: int = 128) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def time_packed_decode(model, rows: int, steps: int, context: int = 128) -> float:
+    """Median seconds of one continuous-batching decode step of `rows` sequences (one token each,
+    packed into one forward as the engine's step does), each after its own `context`-token prefill."""
+    from hybridlm.models.base import forward_packed
+
+    caches = [model.make_caches(1) for _ in range(rows)]
+    tokens = []
+    for cache in caches:
+        ids = torch.randint(0, model.vocab_size, (context,)).tolist()
+        tokens.append(int(greedy(model(Batch.single(ids, device=model.device), cache))[0]))
+    times = []
+    for i in range(steps + 3):
+        segments = [Batch.single([t], offset=context + i, device=model.device) for t in tokens]
+        _sync(model.device)
+        t0 = time.perf_counter()
+        logits = forward_packed(model, segments, caches, ["last"] * rows)
+        _sync(model.device)
+        if i >= 3:
+            times.append(time.perf_counter() - t0)
+        tokens = [int(greedy(x)[0]) for x in logits]
+    return sorted(times)[len(times) // 2]
+
+
 def bench_dtype(args) -> torch.dtype:
     """A benchmark's --dtype (bf16 unless it says float32)."""
     return {"float32": torch.float32, "fp32": torch.float32}.get(args.dtype or "", torch.bfloat16)
@@ -218,6 +241,14 @@ def main(args) -> int:
         "ms_per_token": step * 1e3,
         "limit_tok_s": bandwidth * 1e9 / wbytes,
     }
+    if args.rows and not model.packs:
+        print(f"--rows: {type(model).__name__} does not pack sequences into one step; skipped", flush=True)
+    elif args.rows:
+        report["decode"]["rows"] = {}
+        for rows in args.rows:
+            print(f"decode step of {rows} packed rows ...", flush=True)
+            secs = time_packed_decode(model, rows, args.decode)
+            report["decode"]["rows"][str(rows)] = {"ms_per_step": secs * 1e3, "per_one_row": secs / step}
 
     print(
         f"\nmachine: {bandwidth:.1f} GB/s read, {rate:.3f} {'TOP' if integer else 'TFLOP'}/s "
@@ -233,6 +264,8 @@ def main(args) -> int:
         print(f"{'prefill ' + length:<14}{r['tok_s']:>10.1f}{r['limit_tok_s']:>10.1f}{share:>10.0%}")
     d = report["decode"]
     print(f"{'decode':<14}{d['tok_s']:>10.1f}{d['limit_tok_s']:>10.1f}{d['tok_s'] / d['limit_tok_s']:>10.0%}")
+    for rows, r in report["decode"].get("rows", {}).items():
+        print(f"decode step of {rows} rows: {r['ms_per_step']:.1f} ms, {r['per_one_row']:.2f}x one row's")
     if args.breakdown:
         parts = report["prefill_breakdown"]
         total = sum(parts.values())

@@ -151,12 +151,22 @@ def run(engine, prefix: PrefixCache, trace: list[Turn], gen: int, progress=None)
     return result
 
 
+# --trace: (conversations, turns, system tokens, generated tokens) when the flags leave them out
+DEFAULTS = {"chat": (4, 5, 1024, 16), "agents": (2, 8, 3000, 48)}
+
+
 def main(args) -> int:
     from tqdm import tqdm
 
     from hybridlm.bench.forward import load_bench_model
 
+    given = (args.conversations, args.turns, args.system_tokens, args.gen)
+    args.conversations, args.turns, args.system_tokens, args.gen = (
+        d if v is None else v for v, d in zip(given, DEFAULTS[args.trace], strict=True)
+    )
     model, path, _ = load_bench_model(args)
+    if args.trace == "agents":
+        return agents_main(args, model, path)
     trace = make_trace(
         args.seed, model.vocab_size, args.conversations, args.turns, args.system_tokens, args.gen
     )
@@ -182,6 +192,37 @@ def main(args) -> int:
         )
     full = report["runs"][budgets[0][0]]["cached_ttft_over_new_token_prefill"]
     print(f"cached turn TTFT / time to prefill its new tokens: p50 {full['p50']:.3f}, p95 {full['p95']:.3f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    return 0
+
+
+def agents_main(args, model, path) -> int:
+    """The agent session (`bench.agents`) through one engine with the prefix cache: wall time and
+    prefilled tokens against the oracle's fewest."""
+    from hybridlm.bench.agents import agent_session, replay
+    from hybridlm.engine import Engine, SamplingParams
+
+    session = agent_session(
+        args.seed, model.vocab_size, args.conversations, args.turns, args.system_tokens
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=args.gen, ignore_eos=True)
+    prefix = PrefixCache(model)
+    with Engine(model, None, prefill_chunk=args.prefill_chunk, prefix=prefix) as engine:
+
+        def send(prompt: list[int]) -> tuple[list[int], int]:
+            done = engine.generate(prompt, params)
+            return done.token_ids, done.usage.prefilled_tokens
+
+        print(f"{session.requests} requests of {args.conversations} agents ...", flush=True)
+        summary = replay(session, send).summary()
+    report = {"model": str(path), "trace": "agents", "seed": args.seed, "gen": args.gen} | summary
+    print(
+        f"\nmodel {path}: {summary['requests']} requests, {summary['prompt_tokens']} prompt tokens, "
+        f"{args.gen} generated each; wall {summary['wall_s']:.1f} s, prefilled "
+        f"{summary['prefilled_tokens']} (oracle min {summary['oracle_min_prefilled_tokens']}, "
+        f"{summary['prefilled_vs_oracle']:.3f}x)"
+    )
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
     return 0

@@ -2,12 +2,14 @@
 
 from hybridlm.cache.base import LayerCache, Snapshot
 from hybridlm.cache.kv import AttentionHistory, KVCache, RowsSnapshot, SlidingKVCache
+from hybridlm.cache.latent import LatentCache
 from hybridlm.cache.recurrent import ConvCache, RecurrentCache, RecurrentHistory, ScanSnapshot
 
 __all__ = [
     "AttentionHistory",
     "ConvCache",
     "KVCache",
+    "LatentCache",
     "LayerCache",
     "RecurrentCache",
     "RecurrentHistory",

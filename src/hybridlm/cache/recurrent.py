@@ -287,8 +287,10 @@ class ScanCache(LayerCache):
 
 
 class RecurrentCache(ScanCache):
-    """Gated DeltaNet layer cache: conv tail [B, K-1, conv_dim] in the activation dtype and delta
-    state [B, H, Dk, Dv] in float32."""
+    """Delta-rule layer cache (Gated DeltaNet; Kimi Delta Attention, whose conv runs over q‖k‖v):
+    conv tail [B, K-1, conv_dim] in the activation dtype and delta state [B, H, Dk, Dv] in float32.
+    What the log holds per token is the layer's choice, through the inputs / gates it hands to `put`
+    and the `replay` it supplies."""
 
     def __init__(
         self, batch_size, conv_dim, kernel, heads, k_dim, v_dim, replay: ReplayFn, dtype, device=None

@@ -1,9 +1,11 @@
 """Model families, built from ops and caches, loaded from Hugging Face checkpoint directories."""
 
 from hybridlm.models import (
+    bailing_hybrid,  # noqa: F401 - registers its model types
     dense,  # noqa: F401 - registers its model types
     gemma3,  # noqa: F401 - registers its model types
     gemma4,  # noqa: F401 - registers its model types
+    kimi_linear,  # noqa: F401 - registers its model types
     lfm2,  # noqa: F401 - registers its model types
     qwen3_5,  # noqa: F401 - registers its model types
     qwen3_next,  # noqa: F401 - registers its model types

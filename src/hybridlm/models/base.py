@@ -59,6 +59,9 @@ class CausalLM(nn.Module):
     # Whether every layer runs a `Packed` batch (projections over all rows, token mixers per sequence
     # through `layers.per_segment`, every other op per-row math): a family opts in once its layers do.
     packs = False
+    # Parameter-name endings loaded in float32 whatever the model's dtype (what transformers keeps in
+    # float32 for the family: `_keep_in_fp32_modules_strict`), so bf16 models round where its do.
+    keep_float32: tuple[str, ...] = ()
 
     @classmethod
     def text_config(cls, raw: dict) -> Config:

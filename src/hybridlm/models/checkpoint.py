@@ -107,12 +107,13 @@ def take(state: dict[str, torch.Tensor], name: str, shape: tuple[int, ...]) -> t
 FLOAT32_SUFFIXES = (".e_score_correction_bias",)
 
 
-def load_dtype(name: str, t: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
+def load_dtype(name: str, t: torch.Tensor, dtype: torch.dtype, keep: tuple[str, ...] = ()) -> torch.dtype:
     """The dtype checkpoint tensor `name` (`t`) takes in a model loaded in `dtype`: integer tensors keep
-    theirs, `FLOAT32_SUFFIXES` float32, other floating tensors `dtype`."""
+    theirs (index tables: the Gemma 4 assistant's token ordering), names ending in `FLOAT32_SUFFIXES`
+    or the family's `keep` (`CausalLM.keep_float32`) float32, other floating tensors `dtype`."""
     if not t.is_floating_point():
         return t.dtype
-    return torch.float32 if name.endswith(FLOAT32_SUFFIXES) else dtype
+    return torch.float32 if name.endswith(FLOAT32_SUFFIXES + keep) else dtype
 
 
 def default_device() -> torch.device:

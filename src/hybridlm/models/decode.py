@@ -170,6 +170,8 @@ def _linear_op(module: nn.Module, watch: list) -> Op:
         fp16, group = int(buffers["scales"].dtype is torch.float16), module.group_size
         if fn is None:
             return module
+        if module._decodes_in_integers():  # this CPU's int4 decode rows take prefill's integer kernel
+            return lambda x: module._forward_integer(x.reshape(-1, k)).view(*x.shape[:-1], n)
 
         def quantized(x: torch.Tensor) -> torch.Tensor:
             if not x.is_contiguous():

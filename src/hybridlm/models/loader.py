@@ -86,8 +86,8 @@ def load_weights(cls, root: Path, raw: dict, dtype: torch.dtype | None = None, d
     state, source = read_tensors(weight_files(root), rename)
     state = cls.convert(state, config)
     check_tensors(state, expected, source, root)
-    # index tables (the Gemma 4 assistant's token ordering) must not become floats
-    state = {k: placed(v, device, load_dtype(k, v, dtype)) for k, v in state.items()}
+    keep = getattr(cls, "keep_float32", ())
+    state = {k: placed(v, device, load_dtype(k, v, dtype, keep)) for k, v in state.items()}
     model.load_state_dict(state, strict=False, assign=True)
     if model.tied:
         model.lm_head.weight = model.model.embed_tokens.weight

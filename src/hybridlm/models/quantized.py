@@ -198,7 +198,8 @@ def assign_state(
     def keeps_dtype(name: str, t: torch.Tensor) -> bool:
         return not t.is_floating_point() or name.endswith(".scales")
 
-    state = {k: placed(v, device, v.dtype if keeps_dtype(k, v) else load_dtype(k, v, dtype))
+    keep = getattr(type(model), "keep_float32", ())
+    state = {k: placed(v, device, v.dtype if keeps_dtype(k, v) else load_dtype(k, v, dtype, keep))
              for k, v in state.items()}
     model.load_state_dict(state, strict=False, assign=True)
     if tie:

@@ -51,3 +51,18 @@ def elementwise_rows(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor
     if span != width:
         out = out[:, :width]
     return out.reshape(x.shape)
+
+
+def token_rows(fn: Callable[..., torch.Tensor], *xs: torch.Tensor) -> torch.Tensor:
+    """`fn(*xs)` for tensors [B, L, ...] (the same B, L), each token computed by its own call where a
+    token's numbers must not depend on the others (the rows `elementwise_rows` lays out: few-token
+    steps, and any count under `rowwise()`): for functions that reduce within a token (a per-head norm)
+    as well as map, whose vectorisation otherwise varies with the row count. Returns [B, L, ...]."""
+    x = xs[0]
+    b, length = x.shape[:2]
+    rows = b * length
+    if not x.is_cpu or rows <= 1 or (rows > FEW_TOKENS and not rowwise_applies(x)):
+        return fn(*xs)
+    flat = [t.reshape(rows, 1, *t.shape[2:]) for t in xs]
+    out = torch.cat([fn(*(t[i : i + 1] for t in flat)) for i in range(rows)])
+    return out.view(b, length, *out.shape[2:])

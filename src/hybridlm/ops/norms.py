@@ -112,3 +112,18 @@ class GatedRMSNorm(nn.Module):
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / sqrt(sum(x²) + eps) over the last dim (the flash-linear-attention convention)."""
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+class SigmoidGatedRMSNorm(nn.Module):
+    """`weight * norm(x) * sigmoid(gate)`, all in float32 and rounded once: the output norm of Kimi
+    Delta Attention layers (flash-linear-attention's `FusedRMSNormGated` with a sigmoid gate)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """x, gate [..., dim] -> [..., dim] in x's dtype."""
+        y = self.weight.float() * rms_normalize(x, self.eps)
+        return (y * torch.sigmoid(gate.float())).to(x.dtype)

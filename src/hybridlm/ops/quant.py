@@ -11,8 +11,10 @@ bf16 weight's bytes, int4 (with one bf16 scale per group of 64) reads 4.25 bits 
   layout with their fp16 scales (`models.gptq`).
 
 Few-row bf16 CPU inputs (decode, speculative verify: up to ``FEW_TOKENS`` rows) run the C kernels of
-``csrc/quant.c``, which read the packed weights directly and compute each row as they would alone.
-Larger bf16 CPU inputs (prefill) on a CPU with AVX-512 VNNI quantize their activations to int8 per
+``csrc/quant.c``, which read the packed weights directly and compute each row as they would alone;
+int4 rows on an AVX2 CPU without AVX-512 take the integer kernel instead, with int8 activations as
+prefill's, which is twice as fast there (`quant_gemm.integer_int4_decode`).
+Larger bf16 CPU inputs (prefill) on a CPU with AVX-512 VNNI or AVX2 quantize their activations to int8 per
 row and multiply in integers (`quant_gemm`: about 4× the bf16 GEMM's speed without AMX), and so do
 prompt rows of any number inside `quant_gemm.prompt_rows` (the engine's prefill chunks). Elsewhere
 they dequantize the weight to bf16 in slabs of rows and use the bf16 GEMM (``F.linear``); so do
@@ -30,7 +32,13 @@ from torch import nn
 
 from hybridlm.ops.linear import in_row_groups, rowwise_applies
 from hybridlm.ops.native import FEW_TOKENS, NativeKernel
-from hybridlm.ops.quant_gemm import int4_prefill, int8_prefill, prefill_applies, prompt_rows_on
+from hybridlm.ops.quant_gemm import (
+    int4_prefill,
+    int8_prefill,
+    integer_int4_decode,
+    prefill_applies,
+    prompt_rows_on,
+)
 
 __all__ = [
     "QUANTIZATIONS", "QuantLinear", "from_panels", "pack_int4", "quantize_", "to_panels", "unpack_int4",
@@ -280,8 +288,9 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out] in x's dtype; few-row bf16 CPU inputs accumulate in float32
         and round once."""
-        if prompt_rows_on() and self._integer_applies(x):
-            # prompt rows, however few: the numbers a one-piece prefill gives them (quant_gemm)
+        if (prompt_rows_on() or self._decodes_in_integers()) and self._integer_applies(x):
+            # prompt rows, however few: the numbers a one-piece prefill gives them (quant_gemm); int4
+            # decode rows too where that kernel is the faster one
             y = self._forward_integer(x.reshape(-1, self.in_features))
             if y is not None:
                 return y.view(*x.shape[:-1], self.out_features)
@@ -310,6 +319,12 @@ class QuantLinear(nn.Module):
             fp16 = int(scales.dtype is torch.float16)
             fn(x.data_ptr(), rows, q, s, fp16, bias, y.data_ptr(), n, k, self.group_size, threads)
         return y
+
+    def _decodes_in_integers(self) -> bool:
+        """int4 on a CPU whose integer kernel beats its float decode tile (`integer_int4_decode`): every
+        row, however few, quantizes its activations as prefill does, so a decode row equals the
+        same row prefilled, bit for bit."""
+        return self.bits == 4 and integer_int4_decode()
 
     def _integer_applies(self, x: torch.Tensor) -> bool:
         return prefill_applies(x, self.qweight) and (self.bias is None or self.bias.dtype is torch.bfloat16)

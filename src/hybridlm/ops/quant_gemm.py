@@ -35,7 +35,7 @@ from hybridlm.ops.native import NativeKernel, ThreadFlag
 
 __all__ = [
     "int4_prefill", "int8_prefill", "prefill_applies", "prompt_rows", "prompt_rows_on",
-    "integer_prefill", "quantize_activations",
+    "integer_int4_decode", "integer_prefill", "quantize_activations",
 ]
 
 # Inputs per activation scale against int8 weights. Measured on the random Qwen3.5-0.8B preset (512
@@ -63,6 +63,19 @@ AVAILABLE = NativeKernel(
     "quant_prefill", "quant_prefill.c", "hybridlm_prefill_available", [], _i64,  # not a status: 1 or 0
     fallback="dequantized bf16 prefill",
 )
+
+
+INT4_DECODE = NativeKernel(
+    "quant_prefill", "quant_prefill.c", "hybridlm_prefill_int4_decode", [], _i64,  # not a status: 1 or 0
+    fallback="the float int4 decode kernel",
+)
+
+
+def integer_int4_decode() -> bool:
+    """Whether int4 decode rows take the integer kernel as well (AVX2, where it is about twice the
+    float decode tile's speed; see csrc/quant_prefill.c), unless ``HYBRIDLM_INT8_PREFILL=0``."""
+    fn = INT4_DECODE.get()
+    return fn is not None and bool(fn()) and os.environ.get("HYBRIDLM_INT8_PREFILL", "1") != "0"
 
 
 def integer_prefill() -> bool:

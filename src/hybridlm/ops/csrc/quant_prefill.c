@@ -248,6 +248,8 @@ int hybridlm_prefill_int8(const int8_t* xq, const float* xs, int64_t M, const in
 }
 
 int64_t hybridlm_prefill_available(void) { return 1; }
+/* AVX-512: int4 decode rows keep quant.c's float tiles (16-wide, measured there). */
+int64_t hybridlm_prefill_int4_decode(void) { return 0; }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 /* AVX2: the same sums with vpmaddubsw (unsigned bytes × signed bytes, adjacent pairs summed into int16,
    saturating) and vpmaddwd against ones (pairs of int16 into int32), a lane per output row, 8 rows (half
@@ -263,8 +265,8 @@ int64_t hybridlm_prefill_available(void) { return 1; }
 /* 8 bf16 / fp16 values (n < 8 of them, zeros beyond) as float32. */
 static inline __m256 widen8(const uint16_t* p, int64_t n, int fp16) {
     uint16_t buf[8] = {0};
-    memcpy(buf, p, (size_t)(n < 8 ? n : 8) * sizeof(uint16_t));
-    const __m128i v = _mm_loadu_si128((const __m128i*)buf);
+    if (n < 8) memcpy(buf, p, (size_t)n * sizeof(uint16_t));
+    const __m128i v = _mm_loadu_si128((const __m128i*)(n < 8 ? buf : p));
     return fp16 ? _mm256_cvtph_ps(v) : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
 }
 
@@ -337,9 +339,12 @@ int hybridlm_prefill_int4(const int8_t* xq, const float* xs, int64_t M, const ui
             const int8_t* xm = xr + m0 * K;
             const int32_t* sm = xsum + m0 * groups;
             const float* fm = xs + m0 * groups;
-            /* a constant row count per call site, so the tile's loops unroll into registers */
-            if (mt == MT) tile(xm, sm, fm, K, G, MT, w, pw, s, pw, fp16, width, acc);
-            else tile(xm, sm, fm, K, G, mt, w, pw, s, pw, fp16, width, acc);
+            /* a constant row count per call site, so the tile's loops unroll into registers (with a
+               variable count the sums live on the stack: decode's one row ran 4x slower) */
+#define TILE(rows) tile(xm, sm, fm, K, G, rows, w, pw, s, pw, fp16, width, acc)
+            switch (mt) { case 1: TILE(1); break; case 2: TILE(2); break; case 3: TILE(3); break;
+                          case 4: TILE(4); break; case 5: TILE(5); break; default: TILE(MT); }
+#undef TILE
             for (int c = 0; c < mt; c++)
                 store_bf16(y + (m0 + c) * N + n0 + 8 * h, _mm256_add_ps(acc[c], bv), width < 8 ? width : 8);
         }
@@ -403,8 +408,10 @@ int hybridlm_prefill_int8(const int8_t* xq, const float* xs, int64_t M, const in
                 const int mt = M - m0 < MT ? (int)(M - m0) : MT;
                 __m256 acc[MT];
                 /* a constant row count per call site, so the tile's loops unroll into registers */
-                if (mt == MT) tile8(xq + m0 * K, xs + m0 * blocks, K, B, MT, wp, aw, acc);
-                else tile8(xq + m0 * K, xs + m0 * blocks, K, B, mt, wp, aw, acc);
+#define TILE8(rows) tile8(xq + m0 * K, xs + m0 * blocks, K, B, rows, wp, aw, acc)
+                switch (mt) { case 1: TILE8(1); break; case 2: TILE8(2); break; case 3: TILE8(3); break;
+                              case 4: TILE8(4); break; case 5: TILE8(5); break; default: TILE8(MT); }
+#undef TILE8
                 for (int c = 0; c < mt; c++)
                     store_bf16(y + (m0 + c) * N + n0, _mm256_fmadd_ps(acc[c], wsv, bv), width);
             }
@@ -415,6 +422,10 @@ int hybridlm_prefill_int8(const int8_t* xq, const float* xs, int64_t M, const in
 }
 
 int64_t hybridlm_prefill_available(void) { return 1; }
+/* AVX2: int4 decode rows take these kernels too. quant.c's 8-wide float tile spends ~6 instructions
+   per 8 weights turning nibbles into floats (4-6 GB/s a core on Zen 3), one vpmaddubsw here multiplies
+   32 (9-12 GB/s), and the activations' int8 rounding adds nothing to int4's own error (quant_gemm). */
+int64_t hybridlm_prefill_int4_decode(void) { return 1; }
 #else
 /* Without AVX-512 VNNI or AVX2 the caller keeps its dequantized bf16 path. */
 int hybridlm_prefill_int4(const int8_t* xq, const float* xs, int64_t M, const uint8_t* q, const uint16_t* scales,
@@ -432,4 +443,6 @@ int hybridlm_prefill_int8(const int8_t* xq, const float* xs, int64_t M, const in
 }
 
 int64_t hybridlm_prefill_available(void) { return 0; }
+/* No integer kernels: nothing to decode with. */
+int64_t hybridlm_prefill_int4_decode(void) { return 0; }
 #endif
