@@ -168,6 +168,37 @@ def test_answers_stream_through_the_router_on_every_api(cluster):
     assert [p["message"]["content"] for p in parts] == [p["message"]["content"] for p in want]
 
 
+def test_a_stored_response_continues_fetches_and_deletes_on_any_replica(cluster):
+    """Responses API through the router, every request on the next replica: the second turn
+    (`previous_response_id`) finds the first, stored by the other replica, in the shared store and
+    answers as the single server does; GET and DELETE reach the stored response from either."""
+    router, single = cluster
+
+    def post(url: str, body: dict) -> tuple[dict, httpx.Headers]:
+        r = httpx.post(f"{url}/v1/responses", json={"model": MODEL, "temperature": 0, **body}, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json(), r.headers
+
+    def text(response: dict) -> list:
+        return [c.get("text") for o in response["output"] for c in o.get("content") or []]
+
+    turn1 = {"input": "Name a river.", "max_output_tokens": 8}
+    turn2 = {"input": "And a sea?", "max_output_tokens": 8}
+    want1, _ = post(single, turn1)
+    want2, _ = post(single, {**turn2, "previous_response_id": want1["id"]})
+    first, a = post(router, turn1)
+    second, b = post(router, {**turn2, "previous_response_id": first["id"]})
+    assert b["x-hybridlm-replica"] != a["x-hybridlm-replica"]
+    assert text(first) == text(want1) and text(second) == text(want2)
+    assert second["usage"]["input_tokens_details"]["cached_tokens"] > 0
+    for _ in range(2):  # round robin: both replicas answer
+        got = httpx.get(f"{router}/v1/responses/{first['id']}", timeout=30)
+        assert got.status_code == 200 and got.json()["output"] == first["output"]
+    assert httpx.delete(f"{router}/v1/responses/{first['id']}", timeout=30).status_code == 200
+    for _ in range(2):
+        assert httpx.get(f"{router}/v1/responses/{first['id']}", timeout=30).status_code == 404
+
+
 def test_the_router_answers_an_unrouted_path_and_a_bad_body_with_errors(cluster):
     router, _ = cluster
     r = httpx.post(f"{router}/v1/embeddings", json={"input": "x"}, timeout=30)

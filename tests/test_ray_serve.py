@@ -18,6 +18,8 @@ from hybridlm.cluster import Deployment, StoreServer
 from hybridlm.models.tokenizer import Tokenizer
 from hybridlm.prefix.store import StoreTier, prefix_keys
 from hybridlm.ray_serve import PrefixAwareRouter, RayCluster, build, request_tokens
+from hybridlm.server.response_store import ResponseStore
+from hybridlm.server.responses import ResponsesRequest, prepare
 
 MODEL = "hybridlm"
 
@@ -97,9 +99,17 @@ def test_the_router_tokenizes_prompts_as_the_server_does(demo_dir):
         "abc", add_special_tokens=True
     )
     assert request_tokens(tokenizer, "/v1/completions", b'{"prompt": [5, 6, 7]}') == [5, 6, 7]
-    # The Responses API renders its items as the chat they are; a stored conversation is a replica's.
+    # The Responses API renders its items as the chat they are; a stored conversation is read from the
+    # store the replicas share (here a local one), as the replica will read it; unknown: None.
     assert request_tokens(tokenizer, "/v1/responses", b'{"input": "hi there"}') == ids
-    assert request_tokens(tokenizer, "/v1/responses", b'{"input": "x", "previous_response_id": "r"}') is None
+    follow = b'{"input": "and then?", "previous_response_id": "r"}'
+    assert request_tokens(tokenizer, "/v1/responses", follow) is None
+    responses = ResponseStore()
+    assert request_tokens(tokenizer, "/v1/responses", follow, responses) is None
+    earlier = [*messages, {"role": "assistant", "content": "hello"}]
+    responses.put({"id": "r"}, earlier)
+    want = prepare(tokenizer, ResponsesRequest.model_validate(json.loads(follow)), earlier).ids
+    assert request_tokens(tokenizer, "/v1/responses", follow, responses) == want
     assert request_tokens(tokenizer, "/api/chat", b'{"messages": []}') is None
     assert request_tokens(tokenizer, "/v1/chat/completions", b"{nope") is None
 

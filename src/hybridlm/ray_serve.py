@@ -4,7 +4,8 @@
 validation, errors and streams are the server's), with the shared store tier when there is one; it
 publishes, under its Ray replica id, the store keys of the prefixes it holds (`StoreTier.publish`).
 `Frontend` is the HTTP ingress: the OpenAI, Anthropic and Ollama generation routes, streamed
-through (SSE / NDJSON as the replica writes them). `PrefixAwareRouter` (a Ray Serve
+through (SSE / NDJSON as the replica writes them), and `GET` / `DELETE` of stored responses, which
+the replicas share through the store (`server.responses.ResponseStore`). `PrefixAwareRouter` (a Ray Serve
 `RequestRouter`) picks the replica; see its docstring.
 
 No `from __future__ import annotations` here: FastAPI reads the ingress methods' annotations at
@@ -64,9 +65,11 @@ class RayCluster:
     wait_s: float = 2.0
 
 
-def request_tokens(tokenizer, path: str, raw: bytes) -> list[int] | None:
+def request_tokens(tokenizer, path: str, raw: bytes, responses=None) -> list[int] | None:
     """The prompt's token ids as hybridlm's server makes them (None when the route has no OpenAI
-    prompt or the body cannot be read: the replica answers it, with its own error body)."""
+    prompt or the body cannot be read: the replica answers it, with its own error body). A
+    Responses request continuing a stored one (`previous_response_id`) is read through `responses`
+    (a `ResponseStore` on the shared store), as the replica will read it."""
     try:
         body = json.loads(raw)
         if path == "/v1/chat/completions":
@@ -77,8 +80,13 @@ def request_tokens(tokenizer, path: str, raw: bytes) -> list[int] | None:
             from hybridlm.server.responses import ResponsesRequest, prepare
 
             request = ResponsesRequest.model_validate(body)
-            # A stored conversation is the replica's that answered it: its prompt is unknown here.
-            return None if request.previous_response_id else prepare(tokenizer, request, []).ids
+            earlier = []
+            if request.previous_response_id:
+                previous = responses.get(request.previous_response_id) if responses is not None else None
+                if previous is None:  # no shared store, or not found: the replica answers
+                    return None
+                earlier = previous.history
+            return prepare(tokenizer, request, earlier).ids
         if path != "/v1/completions":
             return None
         prompt = body.get("prompt")
@@ -134,9 +142,11 @@ class PrefixAwareRouter(RequestRouter):
     ) -> None:
         from hybridlm.models.tokenizer import Tokenizer
         from hybridlm.prefix.store import StoreTier
+        from hybridlm.server.response_store import ResponseStore
 
         self.tokenizer = Tokenizer.from_dir(model)
         self.store = StoreTier(store_url, fingerprint, retry_s=2.0) if store_url else None
+        self.responses = ResponseStore(max_count=RECENT, shared=self.store) if self.store else None
         self.policy = policy
         self.wait_s = wait_s
         self.turn = 0  # round-robin position
@@ -191,7 +201,8 @@ class PrefixAwareRouter(RequestRouter):
             return []
         ids = None
         if pending_request is not None and len(pending_request.args) == 2:
-            ids = await asyncio.to_thread(request_tokens, self.tokenizer, *pending_request.args)
+            path, raw = pending_request.args
+            ids = await asyncio.to_thread(request_tokens, self.tokenizer, path, raw, self.responses)
         if ids:
             rid = pending_request.metadata.internal_request_id
             self.prompts[rid] = ids
@@ -256,7 +267,7 @@ class HybridReplica:
         self.app = create_app(self.engine, settings.model_name or "hybridlm")
         self.tasks: set[asyncio.Task] = set()
 
-    async def __call__(self, path: str, raw: bytes):
+    async def __call__(self, path: str, raw: bytes, method: str = "POST"):
         """Yields (status, headers) first, then the body's chunks as the app sends them."""
         messages: asyncio.Queue = asyncio.Queue()
         disconnected = asyncio.Event()
@@ -274,7 +285,7 @@ class HybridReplica:
             "type": "http",
             "asgi": {"version": "3.0"},
             "http_version": "1.1",
-            "method": "POST",
+            "method": method,
             "scheme": "http",
             "path": path,
             "raw_path": path.encode(),
@@ -324,6 +335,15 @@ class Frontend:
     def __init__(self, replica) -> None:
         self.replica = replica.options(stream=True)
 
+    @http.get("/v1/responses/{response_id}")
+    async def retrieve(self, response_id: str):
+        """A stored response, from any replica: they share them through the store (`--cache-store`)."""
+        return await self._answer(self.replica.remote(f"/v1/responses/{response_id}", b"", method="GET"))
+
+    @http.delete("/v1/responses/{response_id}")
+    async def delete(self, response_id: str):
+        return await self._answer(self.replica.remote(f"/v1/responses/{response_id}", b"", method="DELETE"))
+
     @http.post("/{route:path}")
     async def forward(self, route: str, request: Request):
         path = "/" + route
@@ -331,7 +351,10 @@ class Frontend:
             routes = ", ".join(ROUTES)
             error = {"message": f"no route {path} here (routed: {routes})", "type": "not_found_error"}
             return JSONResponse({"error": error}, status_code=404)
-        answer = self.replica.remote(path, await request.body())
+        return await self._answer(self.replica.remote(path, await request.body()))
+
+    async def _answer(self, answer):
+        """The replica's answer streamed back with its status and headers; 503 if it failed first."""
         try:
             status, headers = await answer.__anext__()
         except (RayError, StopAsyncIteration) as e:

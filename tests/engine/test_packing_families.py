@@ -16,7 +16,7 @@ from tests.engine.test_batching_machine import run_machine
 
 FAMILIES = [
     "qwen3_5_text", "qwen3_next", "qwen3_5_moe_text", "lfm2", "lfm2_moe", "gemma3_text", "gemma4_text",
-    "gemma4_moe", "dense_qwen3", "kimi_linear", "bailing_hybrid",
+    "gemma4_moe", "dense_qwen3", "kimi_linear", "bailing_hybrid", "bamba", "nemotron_h", "falcon_h1",
 ]
 
 

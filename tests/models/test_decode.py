@@ -24,10 +24,11 @@ from hybridlm.ops.quant_gemm import prompt_rows
 
 FAMILIES = [
     "qwen3_5_text", "qwen3_next", "qwen3_5_moe_text", "lfm2", "lfm2_moe", "gemma3_text", "gemma4_text",
-    "dense_qwen3", "dense_llama", "kimi_linear", "bailing_hybrid",
+    "dense_qwen3", "dense_llama", "kimi_linear", "bailing_hybrid", "bamba",
 ]
 # The families whose every layer the plan runs without a module call.
-PLANNED = ["qwen3_5_text", "dense_qwen3", "dense_llama"]
+PLANNED = ["qwen3_5_text", "dense_qwen3", "dense_llama",
+            "bamba"]
 # Tokens per step: decode steps and verify passes (a current token and its drafts) up to FEW_TOKENS.
 STEPS = [1, 4, 1, FEW_TOKENS, 2, 1]
 

@@ -36,6 +36,10 @@ PACKING = [
     "dense_llama",
     "kimi_linear",
     "bailing_hybrid",
+    "bamba",
+    "granitemoehybrid_moe",
+    "nemotron_h",
+    "falcon_h1",
 ]
 
 # Prompt lengths: the longest runs past the Gemma sliding windows (12 and 16 tokens).
@@ -55,6 +59,7 @@ MIXED_STEP = [(1, 1, "last"), (0, 30, "last"), (3, 1, "last"), (2, 18, "all")]
 # The families whose mixers have packed kernels (`Attention`, `GatedDeltaNet`, LFM2's `ShortConv`).
 PACKED_MIXERS = [
     "qwen3_5_text", "qwen3_next", "qwen3_5_moe_text", "lfm2", "lfm2_moe", "gemma3_text", "dense_llama",
+    "bamba",
 ]
 
 

@@ -26,7 +26,7 @@ from tests.speculative.helpers import ids_for, plain_greedy, speculative_greedy,
 
 FAMILIES = [
     "qwen3_5_text", "qwen3_next", "qwen3_5_moe_text", "lfm2", "lfm2_moe", "gemma3_text", "gemma4_text",
-    "dense_llama",
+    "dense_llama", "bamba", "nemotron_h",
 ]
 SCHEMES = ["int8", "int4"]
 needs_kernels = pytest.mark.skipif(

@@ -14,7 +14,7 @@ from hybridlm.ops.quant import quantize_
 
 FAMILIES = [
     "qwen3_5_text", "qwen3_next", "qwen3_5_moe_text", "lfm2", "lfm2_moe", "gemma3_text", "gemma4_text",
-    "dense_llama",
+    "dense_llama", "bamba", "nemotron_h", "falcon_h1",
 ]
 
 

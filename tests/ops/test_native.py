@@ -2,7 +2,7 @@ import subprocess
 
 import pytest
 
-from hybridlm.ops import attention, conv, gated_delta, linear, norms, quant, rope
+from hybridlm.ops import attention, conv, gated_delta, linear, mamba2, norms, quant, rope
 from hybridlm.ops.native import CFLAGS, CSRC, compile_library, compiler, isa_levels
 
 # -Wno-psabi: GCC notes that passing 64-byte vectors between *static* functions changes ABI without
@@ -27,7 +27,7 @@ def test_kernel_source_compiles_without_warnings_at_every_isa_level(file, level,
 def test_every_kernel_names_a_shipped_source():
     kernels = [linear.KERNEL, norms.NORM_KERNEL, conv.CONV_KERNEL, gated_delta.GDN_KERNEL,
                attention.KERNEL, quant.INT8_KERNEL, quant.INT4_KERNEL, quant.DEQUANT_INT8, quant.DEQUANT_INT4,
-               rope.ROTARY_KERNEL]
+               rope.ROTARY_KERNEL, mamba2.STEP_KERNEL]
     assert {k.file for k in kernels} <= set(KERNEL_SOURCES)
 
 

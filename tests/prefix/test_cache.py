@@ -19,7 +19,7 @@ from hybridlm.prefix.trie import Trie
 
 KINDS = [
     "qwen3_5_text", "qwen3_5_moe_text", "lfm2", "lfm2_moe", "gemma3_text", "gemma4_text", "dense_llama",
-    "kimi_linear", "bailing_hybrid",
+    "kimi_linear", "bailing_hybrid", "bamba", "nemotron_h", "falcon_h1",
 ]
 
 

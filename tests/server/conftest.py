@@ -45,7 +45,7 @@ class ServerProcess:
             )
         self._ready = False
 
-    def ready(self, timeout: float = 90.0) -> ServerProcess:
+    def ready(self, timeout: float = 240.0) -> ServerProcess:
         deadline = time.monotonic() + timeout
         while not self._ready:
             if self.proc.poll() is not None:

@@ -1,10 +1,11 @@
 """Prefix-cache scenarios through the HTTP API (issue 4, acceptance 1).
 
 For each layer kind — a GDN hybrid (qwen3_5_text), the short-conv hybrid (lfm2), the sliding-window
-family (gemma3_text, window 16) and a dense model (dense_llama) — a real `hybridlm serve` process
-is driven with the official `openai` client: multi-turn continuation, history rewritten near the
-end of the last answer, regenerate, edit of an earlier message, one system prompt shared by many
-conversations, eight conversations interleaved, cancel mid-prefill and retry.
+family (gemma3_text, window 16), a dense model (dense_llama) and a Mamba-2 hybrid (bamba) — a real
+`hybridlm serve` process is driven with the official `openai` client: multi-turn continuation,
+history rewritten near the end of the last answer, regenerate, edit of an earlier message, one
+system prompt shared by many conversations, eight conversations interleaved, cancel mid-prefill and
+retry.
 
 Every request's `usage.prompt_tokens_details.cached_tokens` must equal what a brute-force oracle
 says is the best possible reuse: the longest common prefix with any sequence the server stored
@@ -39,9 +40,11 @@ from hybridlm.models.tokenizer import Tokenizer
 from tests.oracles.checkpoints import build
 from tests.server.conftest import ServerProcess
 
-# Qwen3.5-MoE in its published vision-language layout (the text layout differs only in tensor-name
-# prefixes; its prefix-cache paths run in tests/prefix/test_cache.py): a server pair costs ≈ 40 s of CI
-KINDS = ["qwen3_5_text", "lfm2", "gemma3_text", "dense_llama", "qwen3_5_moe_vl", "lfm2_moe"]
+# Mamba-2: bamba only (falcon_h1 passed too, +35 s of CI; its two caches a layer are covered by
+# tests/prefix/test_cache.py). Qwen3.5-MoE in its published vision-language layout (the text layout
+# differs only in tensor-name prefixes; its prefix-cache paths run in tests/prefix/test_cache.py): a
+# server pair costs ≈ 40 s of CI.
+KINDS = ["qwen3_5_text", "lfm2", "gemma3_text", "dense_llama", "bamba", "qwen3_5_moe_vl", "lfm2_moe"]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 CACHE_RAM = 64 << 20  # --cache-ram: holds every scenario's working set (checked last)
 CHUNK = 16  # --prefill-chunk: the cancelled prefill stops on a chunk boundary

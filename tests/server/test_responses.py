@@ -24,7 +24,8 @@ import hybridlm
 from hybridlm.engine import Engine
 from hybridlm.server.app import create_app
 from hybridlm.server.chat import Part, plan_chat
-from hybridlm.server.responses import Output, ResponsesRequest, ResponseStore, input_messages, prepare, seal
+from hybridlm.server.response_store import ResponseStore
+from hybridlm.server.responses import Output, ResponsesRequest, input_messages, prepare, seal
 from hybridlm.server.tools import ToolCall
 from tests.server.conftest import API_KEY, CONTEXT, MODEL, ServerProcess
 from tests.server.test_agent_api import PERSON, WEATHER_PARAMS, unique
@@ -298,6 +299,30 @@ def test_response_store_is_bounded_by_count_and_bytes():
     store.put({"id": "huge"}, [{"role": "user", "content": "z" * 1000}])
     assert store.get("huge") is None and store.get("big") is not None
     assert store.delete("big") and not store.delete("big") and store.bytes == 0
+
+
+def test_replicas_share_stored_responses_through_the_store(tmp_path):
+    """Two servers' stores on one real redis-server (`--cache-store`): what one stores the other
+    finds, a delete on either deletes it for both, and with the store down each serves its own."""
+    from hybridlm.cluster import StoreServer
+    from hybridlm.prefix.store import StoreTier
+
+    server = StoreServer(tmp_path).start()
+    tiers = [StoreTier(server.url, "model-a", retry_s=0.0) for _ in range(2)]
+    try:
+        a, b = (ResponseStore(shared=t) for t in tiers)
+        history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+        a.put({"id": "resp_1", "output": []}, history)
+        got = b.get("resp_1")
+        assert got is not None and got.history == history and got.response["id"] == "resp_1"
+        assert ResponseStore(shared=StoreTier(server.url, "model-b")).get("resp_1") is None  # per model
+        assert b.delete("resp_1") and a.get("resp_1") is None and not a.delete("resp_1")
+        a.put({"id": "resp_2"}, history)
+        server.stop()
+        assert a.get("resp_2") is not None  # its own copy, while the store does not answer
+        assert b.get("resp_2") is None
+    finally:
+        server.stop()
 
 
 def test_tokenize_and_detokenize_in_vllms_shapes(server, auth, tokenizer):

@@ -13,7 +13,8 @@ from hybridlm.ops.linear import kernel_rows
 from hybridlm.speculative import NgramDrafter
 from tests.speculative.helpers import ids_for, plain_greedy, speculative_greedy
 
-FAMILIES = ["qwen3_5_text", "qwen3_next", "lfm2", "gemma3_text", "gemma4_text", "dense_llama"]
+FAMILIES = ["qwen3_5_text", "qwen3_next", "lfm2", "gemma3_text", "gemma4_text", "dense_llama", "bamba",
+            "nemotron_h", "granitemoehybrid_moe", "falcon_h1"]
 
 needs_kernels = pytest.mark.skipif(kernel_rows() == 0, reason="the CPU kernels could not be built")
 
@@ -32,7 +33,7 @@ def test_a_verify_pass_computes_each_position_as_decode_does(checkpoints, name):
 
 
 @needs_kernels
-@pytest.mark.parametrize("name", ["qwen3_5_text", "gemma3_text"])
+@pytest.mark.parametrize("name", ["qwen3_5_text", "gemma3_text", "bamba"])
 def test_bf16_speculative_greedy_equals_plain_greedy(checkpoints, name):
     model = load_model(checkpoints(name).path, dtype=torch.bfloat16, device="cpu")
     prompt = ids_for(21, seed=3)

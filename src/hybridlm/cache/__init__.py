@@ -3,7 +3,7 @@
 from hybridlm.cache.base import LayerCache, Snapshot
 from hybridlm.cache.kv import AttentionHistory, KVCache, RowsSnapshot, SlidingKVCache
 from hybridlm.cache.latent import LatentCache
-from hybridlm.cache.recurrent import ConvCache, RecurrentCache, RecurrentHistory, ScanSnapshot
+from hybridlm.cache.recurrent import ConvCache, Mamba2Cache, RecurrentCache, RecurrentHistory, ScanSnapshot
 
 __all__ = [
     "AttentionHistory",
@@ -11,6 +11,7 @@ __all__ = [
     "KVCache",
     "LatentCache",
     "LayerCache",
+    "Mamba2Cache",
     "RecurrentCache",
     "RecurrentHistory",
     "RowsSnapshot",

@@ -1,5 +1,6 @@
 """Caches of layers that fold tokens into a fixed-size state: `RecurrentCache` (Gated DeltaNet:
-conv tail + float32 delta state) and `ConvCache` (LFM2 short convolution: conv tail only).
+conv tail + float32 delta state), `Mamba2Cache` (Mamba-2: conv tail over xBC + float32 SSM state)
+and `ConvCache` (LFM2 short convolution: conv tail only).
 
 Range-restorable snapshots. The state after token t cannot be recovered from a later state, so
 while `record` is on the cache keeps a *scan-input log*: for every token, what the layer's conv
@@ -297,6 +298,21 @@ class RecurrentCache(ScanCache):
     ):
         tail = torch.zeros(batch_size, kernel - 1, conv_dim, dtype=dtype, device=device)
         state = torch.zeros(batch_size, heads, k_dim, v_dim, dtype=torch.float32, device=device)
+        super().__init__(tail, state, replay)
+
+
+class Mamba2Cache(ScanCache):
+    """Mamba-2 layer cache: conv tail [B, K-1, conv_dim] over the pre-conv x‖B‖C rows in the
+    activation dtype, SSM state [B, H, P, N] in float32. Its scan-input log holds per token the
+    pre-conv xBC row [conv_dim] and the raw time step dt [H] (inputs and gates of `ScanSnapshot`):
+    replaying conv + state update over them from a checkpoint rebuilds the tail and state at any
+    token, with the same bits as the forward that logged them (`ops/mamba2.py`: the step form)."""
+
+    def __init__(
+        self, batch_size, conv_dim, kernel, heads, head_dim, state_size, replay: ReplayFn, dtype, device=None
+    ):
+        tail = torch.zeros(batch_size, kernel - 1, conv_dim, dtype=dtype, device=device)
+        state = torch.zeros(batch_size, heads, head_dim, state_size, dtype=torch.float32, device=device)
         super().__init__(tail, state, replay)
 
 

@@ -16,10 +16,8 @@ from __future__ import annotations
 import base64
 import json
 import logging
-import os
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +33,7 @@ from hybridlm.models.tokenizer import Tokenizer
 from hybridlm.server.chat import ChatPlan, Part, effort_kwargs, plan_and_encode, tool_result_text
 from hybridlm.server.context import ServerContext
 from hybridlm.server.protocol import APIError, documented, request_body
+from hybridlm.server.response_store import ResponseStore
 
 log = logging.getLogger(__name__)
 
@@ -268,77 +267,6 @@ def prepare(tokenizer: Tokenizer, body: ResponsesRequest, earlier: list[dict[str
     return Prepared(plan, ids, history)
 
 
-# -- the response store ----------------------------------------------------------------------------
-
-
-@dataclass
-class Stored:
-    response: dict[str, Any]
-    history: list[dict[str, Any]]  # the conversation through this response's output
-    size: int
-
-
-class ResponseStore:
-    """Responses kept for `previous_response_id` and `GET`, least recently used dropped first beyond
-    `max_count` responses or `max_bytes` (their JSON size). With a `path`, `load()` reads what
-    `save()` wrote there (a missing or unreadable file: an empty store)."""
-
-    def __init__(self, max_count: int = 1024, max_bytes: int = 256 << 20, path: Path | None = None):
-        self.max_count, self.max_bytes, self.path = max_count, max_bytes, path
-        self._entries: OrderedDict[str, Stored] = OrderedDict()
-        self.bytes = 0
-
-    def load(self) -> None:
-        if self.path is None:
-            return
-        try:
-            for response, history in json.loads(self.path.read_text()):  # least recently used first
-                self.put(response, history)
-        except FileNotFoundError:
-            return
-        except (OSError, ValueError, TypeError, KeyError) as e:
-            log.warning("responses: %s not read (%s); the store starts empty", self.path, e)
-            self._entries.clear()
-            self.bytes = 0
-
-    def save(self) -> None:
-        """Write the store to `path` (atomically: a crash leaves the previous file)."""
-        if self.path is None:
-            return
-        tmp = self.path.with_suffix(".tmp")
-        try:
-            tmp.write_text(json.dumps([[e.response, e.history] for e in self._entries.values()]))
-            os.replace(tmp, self.path)
-        except OSError as e:
-            log.warning("responses: %s not written (%s)", self.path, e)
-
-    def put(self, response: dict[str, Any], history: list[dict[str, Any]]) -> None:
-        size = len(json.dumps(response, ensure_ascii=False)) + len(json.dumps(history, ensure_ascii=False))
-        self.delete(response["id"])
-        if size > self.max_bytes:
-            return
-        self._entries[response["id"]] = Stored(response, history, size)
-        self.bytes += size
-        while len(self._entries) > self.max_count or self.bytes > self.max_bytes:
-            _, dropped = self._entries.popitem(last=False)
-            self.bytes -= dropped.size
-
-    def get(self, response_id: str) -> Stored | None:
-        entry = self._entries.get(response_id)
-        if entry is not None:
-            self._entries.move_to_end(response_id)
-        return entry
-
-    def delete(self, response_id: str) -> bool:
-        entry = self._entries.pop(response_id, None)
-        if entry is not None:
-            self.bytes -= entry.size
-        return entry is not None
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-
 # -- output items and stream events ----------------------------------------------------------------
 
 
@@ -494,8 +422,9 @@ def saved_store(engine: Engine) -> Path | None:
 
 def register(app: FastAPI, ctx: ServerContext) -> ResponseStore:
     """Add `/v1/responses` and `/v1/responses/{id}` to `app`; returns the response store (loaded from
-    `--cache-dir` when there is one; `save()` it at shutdown)."""
-    store = ResponseStore(path=saved_store(ctx.engine))
+    `--cache-dir` when there is one; `save()` it at shutdown; shared through `--cache-store`)."""
+    prefix = ctx.engine.prefix
+    store = ResponseStore(path=saved_store(ctx.engine), shared=prefix.store if prefix is not None else None)
     store.load()
 
     def not_found(response_id: str, param: str) -> APIError:

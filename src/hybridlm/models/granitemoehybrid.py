@@ -1,0 +1,147 @@
+"""Granite 4.0-H (`granitemoehybrid`: Micro dense, Tiny / Small MoE): Mamba-2 and attention layers per
+`layer_types`, each followed by the always-on shared SwiGLU MLP plus, where `num_local_experts` > 0,
+a softmax top-k mixture of SwiGLU experts (`block_sparse_moe`: the top-k router logits softmaxed),
+RoPE or no positional encoding per `position_embedding_type`, and the µP multipliers: embeddings
+times `embedding_multiplier`, every block's output times `residual_multiplier` before the residual
+add, attention scores scaled by `attention_multiplier` (not head_dim^-0.5), logits divided by
+`logits_scaling`.
+
+The checkpoint's shared MLP holds gate and up in one `input_linear` (gate first); `convert` splits it
+into the shared `GatedMLP`'s two projections, `remap` renames the rest (the experts' stacked
+`input_linear` / `output_linear` become `Experts`' `gate_up_proj` / `down_proj`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hybridlm.batch import Batch
+from hybridlm.models.bamba import time_step_limit
+from hybridlm.models.base import CausalLM, Config, register
+from hybridlm.models.layers import Attention, DecoderLayer, GatedMLP
+from hybridlm.models.mamba2 import Mamba2Mixer
+from hybridlm.models.moe import Experts
+from hybridlm.ops.linear import Linear
+from hybridlm.ops.norms import RMSNorm
+from hybridlm.ops.rope import Rotary, inv_freq_from_params
+
+RENAMES = [
+    (".shared_mlp.output_linear.", ".mlp.down_proj."),
+    (".shared_mlp.input_linear.", ".mlp.input_linear."),
+    (".block_sparse_moe.input_linear.weight", ".block_sparse_moe.experts.gate_up_proj"),
+    (".block_sparse_moe.output_linear.weight", ".block_sparse_moe.experts.down_proj"),
+    (".block_sparse_moe.router.layer.", ".block_sparse_moe.router."),
+]
+
+
+MAMBA_KINDS = ("mamba", "linear_attention")
+
+
+class SoftmaxTopKMoE(nn.Module):
+    """Granite's routed experts: the router's top-k logits (float32) softmaxed into weights in the
+    activation dtype; gated SwiGLU experts (`moe.Experts`: only the chosen ones run)."""
+
+    def __init__(self, c: Config):
+        super().__init__()
+        self.top_k = c.num_experts_per_tok
+        self.router = Linear(c.hidden_size, c.num_local_experts, bias=False)
+        act = c.get("hidden_act", "silu")
+        self.experts = Experts(c.num_local_experts, c.hidden_size, c.intermediate_size, act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, L, d] -> [B, L, d]."""
+        flat = x.reshape(-1, x.shape[-1])
+        logits, index = self.router(flat).float().topk(self.top_k, dim=-1)
+        weights = logits.softmax(dim=-1).to(x.dtype)
+        return self.experts(flat, index, weights).view(x.shape)
+
+
+class ScaledDecoderLayer(DecoderLayer):
+    """Pre-norm block whose mixer and feed-forward outputs are scaled before each residual add:
+    h + r·mixer(norm(h)), then h + r·ff(norm(h)) with ff = shared MLP (+ routed experts if any)."""
+
+    def __init__(self, *args, residual_multiplier: float, moe: nn.Module | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.residual_multiplier = residual_multiplier
+        self.block_sparse_moe = moe
+
+    def forward(self, h: torch.Tensor, batch: Batch, cache) -> torch.Tensor:
+        r = self.residual_multiplier
+        h = h + self.mixer(self.input_layernorm(h), batch, cache) * r
+        x = self.post_attention_layernorm(h)
+        ff = self.mlp(x) if self.block_sparse_moe is None else self.block_sparse_moe(x) + self.mlp(x)
+        return h + ff * r
+
+
+@register("granitemoehybrid")
+class GraniteMoeHybrid(CausalLM):
+    packs = True
+
+    def __init__(self, config: Config):
+        super().__init__()
+        self.config = c = config
+        d = c.hidden_size
+        head_dim = c.get("head_dim") or d // c.num_attention_heads
+        if c.get("position_embedding_type") == "rope":
+            rotary = Rotary(*inv_freq_from_params(head_dim, c.get_rope()))
+        else:
+            rotary = Rotary(torch.zeros(0, device="cpu"))  # no positional encoding: a rotation of no dims
+        inner = int(c.mamba_expand * d)
+        mamba_head = c.get("mamba_d_head", "auto")
+        mamba_head = inner // c.mamba_n_heads if mamba_head in (None, "auto") else mamba_head
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(c.vocab_size, d)
+        self.model.layers = nn.ModuleList()
+        for kind in c.layer_types:
+            # Published configs: "mamba" / "attention"; transformers 5: "linear_attention" / "full_attention".
+            if kind not in MAMBA_KINDS:
+                mixer_name = "self_attn"
+                mixer = Attention(
+                    d, c.num_attention_heads, c.num_key_value_heads, head_dim, rotary,
+                    bias=c.get("attention_bias", False), scale=c.get("attention_multiplier", 1.0),
+                )
+            else:
+                mixer_name = "mamba"
+                mixer = Mamba2Mixer(
+                    d, c.mamba_n_heads, mamba_head, c.mamba_n_groups, c.mamba_d_state, c.mamba_d_conv,
+                    eps=c.rms_norm_eps, dt_limit=time_step_limit(c), conv_bias=c.get("mamba_conv_bias", True),
+                    proj_bias=c.get("mamba_proj_bias", False),
+                )
+            mlp = GatedMLP(d, c.shared_intermediate_size, c.get("hidden_act", "silu"))
+            self.model.layers.append(ScaledDecoderLayer(
+                mixer_name, mixer, mlp, RMSNorm, d, c.rms_norm_eps,
+                residual_multiplier=c.get("residual_multiplier", 1.0),
+                moe=SoftmaxTopKMoE(c) if c.get("num_local_experts", 0) else None,
+            ))
+        self.model.norm = RMSNorm(d, eps=c.rms_norm_eps)
+        self.lm_head = Linear(d, c.vocab_size, bias=False)
+
+    @classmethod
+    def text_config(cls, raw: dict) -> Config:
+        c = super().text_config(raw)
+        if not c.get("layer_types"):
+            c["layer_types"] = ["mamba"] * c.num_hidden_layers
+        return c
+
+    @classmethod
+    def remap(cls, name: str, config: Config) -> str | None:
+        for old, new in RENAMES:
+            if old in name:
+                return name.replace(old, new, 1)
+        return name
+
+    @classmethod
+    def convert(cls, state: dict[str, torch.Tensor], config: Config) -> dict[str, torch.Tensor]:
+        """Split each shared MLP's `input_linear` [2·I, d] into gate_proj (first half) and up_proj."""
+        for name in [n for n in state if n.endswith(".mlp.input_linear.weight")]:
+            gate, up = state.pop(name).chunk(2, dim=0)
+            prefix = name[: -len("input_linear.weight")]
+            state[prefix + "gate_proj.weight"], state[prefix + "up_proj.weight"] = gate, up
+        return state
+
+    def embed(self, batch: Batch) -> torch.Tensor:
+        return self.model.embed_tokens(batch.input_ids) * self.config.get("embedding_multiplier", 1.0)
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(h).float() / self.config.get("logits_scaling", 1.0)

@@ -1,0 +1,182 @@
+"""The Mamba-2 token mixer shared by the Mamba-2 hybrids (`bamba`, and the families built on it).
+
+in_proj -> z ‖ xBC ‖ dt; causal depthwise conv + SiLU over xBC; the SSD state update
+(`ops.mamba2`); a gated RMSNorm per group of channels; out_proj. Attribute names follow the Hugging
+Face checkpoints (`in_proj`, `conv1d`, `dt_bias`, `A_log`, `D`, `norm`, `out_proj`).
+
+Which form of the state update runs. Every state a restore can land on goes through the step
+recurrence: a forward that records scan inputs (the prefix cache's range snapshots) or must report
+split states (captures, speculative restore points) runs the step form (the C kernel where it
+applies, else torch), as decode steps, verify passes and replays do, so a replay rebuilds bit for
+bit the state the forward had at that token (tests/models/test_mamba2.py). A long prompt whose
+states nobody asked for takes the chunked form (matrix products), whose final state is then the
+checkpoint replays start from.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridlm.batch import Batch
+from hybridlm.cache import Mamba2Cache
+from hybridlm.models.layers import per_segment
+from hybridlm.ops.conv import causal_conv1d
+from hybridlm.ops.linear import Linear
+from hybridlm.ops.mamba2 import DEFAULT_CHUNK, mamba2_scan, mamba2_step_fused
+from hybridlm.ops.native import FEW_TOKENS
+
+
+class GroupedGatedRMSNorm(nn.Module):
+    """RMSNorm over each of `groups` equal slices of the channels, gated by silu(z): after the gate
+    (`x·silu(z)` normalised: Bamba, Granite, Nemotron-H) or before it (Falcon-H1's default), in float32;
+    the weight multiplies the float32 result, which is cast to `dtype` once."""
+
+    def __init__(self, dim: int, groups: int, eps: float, norm_before_gate: bool = False):
+        super().__init__()
+        self.groups, self.eps, self.norm_before_gate = groups, eps, norm_before_gate
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """x, z ``[B, L, dim]`` -> ``[B, L, dim]`` in ``dtype``."""
+        x = x.float()
+        gate = F.silu(z.float())
+        if not self.norm_before_gate:
+            x = x * gate
+        g = x.unflatten(-1, (self.groups, -1))
+        x = (g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)).flatten(-2)
+        if self.norm_before_gate:
+            x = x * gate
+        return (self.weight.float() * x).to(dtype)
+
+
+class Mamba2Mixer(nn.Module):
+    """Mamba-2 token mixer.
+
+    Scan inputs (what `Mamba2Cache` logs for replay): the pre-conv xBC rows [B, L, conv_dim] and the
+    raw time steps dt [B, L, H]; everything after them is `mix`.
+
+    Args:
+        hidden: model width; heads, head_dim: H and P (``inner = H·P``); groups, state_size: G and N
+        of the grouped B / C; kernel: conv taps; dt_limit: Δ's clamp (``time_step_limit``);
+        conv_bias / proj_bias: the conv's and projections' biases; norm_before_gate: see
+        `GroupedGatedRMSNorm`.
+    """
+
+    def __init__(
+        self,
+        hidden: int,
+        heads: int,
+        head_dim: int,
+        groups: int,
+        state_size: int,
+        kernel: int,
+        *,
+        eps: float,
+        dt_limit: tuple[float, float] = (0.0, math.inf),
+        conv_bias: bool = True,
+        proj_bias: bool = False,
+        norm_before_gate: bool = False,
+        norm_groups: int | None = None,
+    ):
+        super().__init__()
+        self.heads, self.head_dim, self.groups, self.state_size = heads, head_dim, groups, state_size
+        self.inner = heads * head_dim
+        self.conv_dim = self.inner + 2 * groups * state_size
+        self.kernel = kernel
+        self.dt_limit = (float(dt_limit[0]), float(dt_limit[1]))
+        self.in_proj = Linear(hidden, self.inner + self.conv_dim + heads, bias=proj_bias)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, kernel, groups=self.conv_dim, bias=conv_bias)
+        self.dt_bias = nn.Parameter(torch.ones(heads))
+        self.A_log = nn.Parameter(torch.zeros(heads))
+        self.D = nn.Parameter(torch.ones(heads))
+        self.norm = GroupedGatedRMSNorm(self.inner, norm_groups or groups, eps, norm_before_gate)
+        self.out_proj = Linear(self.inner, hidden, bias=proj_bias)
+
+    def make_cache(self, batch_size: int, dtype, device) -> Mamba2Cache:
+        return Mamba2Cache(
+            batch_size, self.conv_dim, self.kernel, self.heads, self.head_dim, self.state_size,
+            self.replay, dtype, device,
+        )
+
+    def mix(self, xbc, dt, conv_tail, state, query_lens=None, splits=(), inplace=False, step=True):
+        """Conv + state update over scan inputs.
+
+        xbc [B, L, conv_dim], dt [B, L, H] -> (y [B, L, H, P] float32, conv_tail, state, boundary)
+        where boundary[i] = (tail, state) after `splits[i]` tokens; `step` picks the step form (else
+        the chunked one).
+        """
+        b, length, _ = xbc.shape
+        conv, tail, tails = causal_conv1d(
+            xbc, self.conv1d.weight.squeeze(1), self.conv1d.bias, conv_tail, activation="silu",
+            query_lens=query_lens, splits=splits,
+        )
+        fused = None if not step else mamba2_step_fused(
+            conv, dt, -self.A_log.float().exp(), self.D, state, dt_bias=self.dt_bias, heads=self.heads,
+            head_dim=self.head_dim, groups=self.groups, state_size=self.state_size, dt_limit=self.dt_limit,
+            query_lens=query_lens, splits=splits, inplace=inplace,
+        )
+        if fused is not None:
+            y, state, states = fused
+            return y, tail, state, list(zip(tails, states, strict=True))
+        gn = self.groups * self.state_size
+        x, B, C = conv.split([self.inner, gn, gn], dim=-1)
+        y, state, states = mamba2_scan(
+            x.reshape(b, length, self.heads, self.head_dim),
+            dt,
+            -self.A_log.float().exp(),
+            B.reshape(b, length, self.groups, self.state_size),
+            C.reshape(b, length, self.groups, self.state_size),
+            self.D,
+            state,
+            dt_bias=self.dt_bias,
+            dt_limit=self.dt_limit,
+            query_lens=query_lens,
+            splits=splits,
+            chunk_size=1 if step else DEFAULT_CHUNK,
+            inplace=inplace,
+        )
+        return y, tail, state, list(zip(tails, states, strict=True))
+
+    @torch.no_grad()
+    def replay(self, conv_tail, state, xbc, dt):
+        _, tail, state, _ = self.mix(xbc, dt, conv_tail, state, inplace=True)
+        return tail, state
+
+    def forward(self, x: torch.Tensor, batch: Batch, cache: Mamba2Cache) -> torch.Tensor:
+        """x [B, L, hidden] -> [B, L, hidden]; advances `cache` by the batch's real tokens."""
+        mask = batch.token_mask()
+        if mask is not None:
+            x = x * mask[..., None].to(x.dtype)
+        z, xbc, dt = self.project(x).split([self.inner, self.conv_dim, self.heads], dim=-1)
+        y = per_segment(batch, cache, self.scan, xbc, dt)
+        b, length, _ = x.shape
+        return self.out_proj(self.gate(y.reshape(b, length, self.inner), z, x.dtype))
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, L, hidden] -> z ‖ xBC ‖ dt [B, L, inner + conv_dim + H]."""
+        return self.in_proj(x)
+
+    def gate(self, y: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The scan output y [B, L, inner] (float32) gated by z -> [B, L, inner] in `dtype`."""
+        return self.norm(y, z, dtype)
+
+    def scan(self, batch: Batch, cache: Mamba2Cache, xbc, dt) -> torch.Tensor:
+        """Conv + state update of this forward's scan inputs from `cache`'s state -> y [B, L, H, P]
+        float32; the cache takes the new state, its captures and (while recording) the inputs."""
+        hist = cache.get(batch)
+        lens = batch.query_lens if batch.padded else None
+        length = xbc.shape[1]
+        step = length <= FEW_TOKENS or hist.record or bool(hist.splits)
+        y, tail, state, boundary = self.mix(
+            xbc, dt, hist.conv_tail, hist.state, lens, hist.splits, inplace=True, step=step
+        )
+        cache.put(
+            batch, tail, state, boundary,
+            inputs=xbc if hist.record else None,
+            gates=dt if hist.record else None,
+        )
+        return y
