@@ -274,6 +274,7 @@ def test_a_tokens_experts_output_does_not_depend_on_the_other_tokens(quantized):
 
 def test_sparse_block_adds_the_sigmoid_gated_shared_expert():
     router, experts = Router(16, 5, 2, SOFTMAX), random_experts(5, 16, 12, seed=3)
+    router.weight.data = torch.randn(5, 16, generator=torch.Generator().manual_seed(5))  # built empty
     shared = GatedMLP(16, 8)
     block = SparseMoE(router, experts, shared, "shared_expert", gated_shared=True)
     x = torch.randn(2, 3, 16, generator=torch.Generator().manual_seed(4))
