@@ -370,9 +370,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(f, (MODEL,))
     f.add_argument(
         "--preset",
-        choices=["qwen3.5-0.8b"],
+        choices=["qwen3.5-0.8b", "qwen3.5-moe-3b"],
         default=None,
-        help="use a random-weight checkpoint of this published shape (written once to the cache dir)",
+        help="use a random-weight checkpoint of this published shape (written once to the cache dir; "
+        "qwen3.5-moe-3b: Qwen3.5-35B-A3B's layout scaled to 3.2 B parameters, 0.66 B read a token)",
     )
     f.add_argument(
         "--prefill", type=int, nargs="+", default=[512, 2048], help="prefill lengths (default 512 2048)"

@@ -15,7 +15,10 @@ from hybridlm.ops.linear import FusedLinear, rowwise
 from hybridlm.ops.quant import QuantLinear
 from tests.speculative.helpers import ids_for
 
-FAMILIES = ["qwen3_5_text", "qwen3_next", "lfm2", "gemma3_text", "gemma4_text", "dense_llama"]
+FAMILIES = [
+    "qwen3_5_text", "qwen3_next", "qwen3_5_moe_text", "lfm2", "lfm2_moe", "gemma3_text", "gemma4_text",
+    "dense_llama",
+]
 SCHEMES = [None, "int8", "int4"]
 
 

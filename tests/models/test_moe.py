@@ -274,6 +274,7 @@ def test_a_tokens_experts_output_does_not_depend_on_the_other_tokens(quantized):
 
 def test_sparse_block_adds_the_sigmoid_gated_shared_expert():
     router, experts = Router(16, 5, 2, SOFTMAX), random_experts(5, 16, 12, seed=3)
+    router.weight.data = torch.randn(5, 16, generator=torch.Generator().manual_seed(5))  # built empty
     shared = GatedMLP(16, 8)
     block = SparseMoE(router, experts, shared, "shared_expert", gated_shared=True)
     x = torch.randn(2, 3, 16, generator=torch.Generator().manual_seed(4))
@@ -380,3 +381,17 @@ def test_checkpoints_with_stacked_experts_load_to_the_same_model(checkpoints, tm
     assert got.keys() == want.keys()
     for k, v in want.items():
         assert torch.equal(v, got[k]), k
+
+
+def test_the_selection_bias_stays_float32_in_a_bf16_model(checkpoints):
+    """A bf16 load keeps the router's selection bias bit for bit as the checkpoint holds it (float32),
+    also through a later change of dtype; the router's weight takes the model's dtype."""
+    path = checkpoints("lfm2_moe").path
+    name = "model.layers.2.feed_forward.expert_bias"
+    stored = load_file(path / "model.safetensors")[name]
+    model = load_model(path, dtype=torch.bfloat16, device="cpu")
+    router = model.model.layers[2].mlp.gate
+    assert stored.dtype is torch.float32 and router.weight.dtype is torch.bfloat16
+    assert torch.equal(router.e_score_correction_bias, stored)
+    model.to(torch.float16)
+    assert torch.equal(router.e_score_correction_bias, stored)

@@ -12,8 +12,10 @@ from hybridlm.models.base import forward_packed
 from hybridlm.ops.native import FEW_TOKENS
 from hybridlm.ops.quant import quantize_
 
-FAMILIES = ["qwen3_5_text", "qwen3_next", "lfm2", "gemma3_text", "gemma4_text", "dense_llama", "bamba",
-            "nemotron_h", "falcon_h1"]
+FAMILIES = [
+    "qwen3_5_text", "qwen3_next", "qwen3_5_moe_text", "lfm2", "lfm2_moe", "gemma3_text", "gemma4_text",
+    "dense_llama", "bamba", "nemotron_h", "falcon_h1",
+]
 
 
 def steps(model, prompt, sizes, threads):

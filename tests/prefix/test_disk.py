@@ -22,8 +22,9 @@ from hybridlm.prefix.cache import CapturePlan, PrefixCache
 from hybridlm.prefix.disk import DISK_FULL, DiskTier, StoredSnapshot, model_fingerprint
 from tests.prefix.test_cache import Oracle, PrefixMachine, full_logits_last, scenario, serve, tokens
 
-# GDN + attention, sliding window, short conv, KDA + MLA, Mamba-2 + attention
-KINDS = ["qwen3_5_text", "gemma3_text", "lfm2", "kimi_linear", "bamba"]
+# GDN + attention, sliding window, short conv, KDA + MLA, Mamba-2 + attention, and GDN / short conv
+# with routed experts
+KINDS = ["qwen3_5_text", "gemma3_text", "lfm2", "kimi_linear", "bamba", "qwen3_5_moe_text", "lfm2_moe"]
 
 
 def load(checkpoints, name: str, dtype=torch.float32):

@@ -41,8 +41,10 @@ from tests.oracles.checkpoints import build
 from tests.server.conftest import ServerProcess
 
 # Mamba-2: bamba only (falcon_h1 passed too, +35 s of CI; its two caches a layer are covered by
-# tests/prefix/test_cache.py).
-KINDS = ["qwen3_5_text", "lfm2", "gemma3_text", "dense_llama", "bamba"]
+# tests/prefix/test_cache.py). Qwen3.5-MoE in its published vision-language layout (the text layout
+# differs only in tensor-name prefixes; its prefix-cache paths run in tests/prefix/test_cache.py): a
+# server pair costs ≈ 40 s of CI.
+KINDS = ["qwen3_5_text", "lfm2", "gemma3_text", "dense_llama", "bamba", "qwen3_5_moe_vl", "lfm2_moe"]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 CACHE_RAM = 64 << 20  # --cache-ram: holds every scenario's working set (checked last)
 CHUNK = 16  # --prefill-chunk: the cancelled prefill stops on a chunk boundary

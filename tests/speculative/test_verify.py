@@ -19,8 +19,8 @@ from tests.speculative.helpers import (
 )
 
 FAMILIES = [
-    "qwen3_5_text", "qwen3_next", "lfm2", "gemma3_text", "dense_llama", "dense_qwen3",
-    "kimi_linear", "bailing_hybrid",
+    "qwen3_5_text", "qwen3_next", "qwen3_5_moe_text", "lfm2", "lfm2_moe", "gemma3_text", "dense_llama",
+    "dense_qwen3", "kimi_linear", "bailing_hybrid",
 ]
 # A draft model of another family with the same vocabulary: its caches are of other kinds.
 OTHER_DRAFT = {
@@ -30,6 +30,8 @@ OTHER_DRAFT = {
     "gemma3_text": "qwen3_next",
     "dense_llama": "qwen3_5_text",
     "dense_qwen3": "lfm2",
+    "qwen3_5_moe_text": "lfm2_moe",
+    "lfm2_moe": "qwen3_5_moe_text",
     "kimi_linear": "qwen3_5_text",
     "bailing_hybrid": "lfm2",
 }

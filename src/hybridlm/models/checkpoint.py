@@ -101,6 +101,21 @@ def take(state: dict[str, torch.Tensor], name: str, shape: tuple[int, ...]) -> t
     return t
 
 
+# Tensors that keep float32 whatever dtype the model loads in: a router's selection bias
+# (`models.moe.Router`), whose small differences between experts decide the choice; a bf16 copy
+# rounds biases near 2 to steps of 1/64, more than the scores it separates.
+FLOAT32_SUFFIXES = (".e_score_correction_bias",)
+
+
+def load_dtype(name: str, t: torch.Tensor, dtype: torch.dtype, keep: tuple[str, ...] = ()) -> torch.dtype:
+    """The dtype checkpoint tensor `name` (`t`) takes in a model loaded in `dtype`: integer tensors keep
+    theirs (index tables: the Gemma 4 assistant's token ordering), names ending in `FLOAT32_SUFFIXES`
+    or the family's `keep` (`CausalLM.keep_float32`) float32, other floating tensors `dtype`."""
+    if not t.is_floating_point():
+        return t.dtype
+    return torch.float32 if name.endswith(FLOAT32_SUFFIXES + keep) else dtype
+
+
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

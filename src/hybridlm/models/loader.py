@@ -16,6 +16,7 @@ from hybridlm.models.checkpoint import (
     CheckpointError,
     check_tensors,
     default_device,
+    load_dtype,
     placed,
     read_json,
     read_tensors,
@@ -86,13 +87,7 @@ def load_weights(cls, root: Path, raw: dict, dtype: torch.dtype | None = None, d
     state = cls.convert(state, config)
     check_tensors(state, expected, source, root)
     keep = getattr(cls, "keep_float32", ())
-
-    def dtype_of(name: str, t: torch.Tensor) -> torch.dtype:
-        if not t.is_floating_point():  # index tables (the Gemma 4 assistant's token ordering) stay ints
-            return t.dtype
-        return torch.float32 if keep and name.endswith(keep) else dtype
-
-    state = {k: placed(v, device, dtype_of(k, v)) for k, v in state.items()}
+    state = {k: placed(v, device, load_dtype(k, v, dtype, keep)) for k, v in state.items()}
     model.load_state_dict(state, strict=False, assign=True)
     if model.tied:
         model.lm_head.weight = model.model.embed_tokens.weight

@@ -199,10 +199,10 @@ def check_routing(num_experts: int, top_k: int, n_group: int = 1, topk_group: in
 
 class Router(nn.Module):
     """A router's parameters (`weight` [E, d], the checkpoints' `gate.weight`; with `bias`, the
-    selection bias buffer `e_score_correction_bias` [E]) and its rule: `scoring` SOFTMAX
-    (`softmax_topk`) or SIGMOID (`sigmoid_topk` with the group, normalisation and scaling
-    settings). `float32_logits`: the logits multiply in float32 (DeepSeek-V3's kin), else in the
-    activation dtype (Qwen, LFM2)."""
+    selection bias buffer `e_score_correction_bias` [E], float32 in a model of any dtype) and its
+    rule: `scoring` SOFTMAX (`softmax_topk`) or SIGMOID (`sigmoid_topk` with the group,
+    normalisation and scaling settings). `float32_logits`: the logits multiply in float32
+    (DeepSeek-V3's kin), else in the activation dtype (Qwen, LFM2)."""
 
     def __init__(
         self,
@@ -232,6 +232,15 @@ class Router(nn.Module):
             self.register_buffer("e_score_correction_bias", torch.zeros(num_experts))
         else:
             self.e_score_correction_bias = None
+
+    def _apply(self, fn, recurse: bool = True):
+        # The selection bias stays float32 when the model changes dtype (see checkpoint.FLOAT32_SUFFIXES);
+        # only its device follows.
+        bias = self.e_score_correction_bias
+        super()._apply(fn, recurse)
+        if bias is not None:
+            self.e_score_correction_bias = bias.to(device=self.weight.device, dtype=torch.float32)
+        return self
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, d] -> router logits [N, E] (float32 or x's dtype, see `float32_logits`)."""

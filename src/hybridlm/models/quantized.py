@@ -51,6 +51,7 @@ from hybridlm.models.checkpoint import (
     CheckpointError,
     check_tensors,
     default_device,
+    load_dtype,
     placed,
     read_json,
     read_tensors,
@@ -197,7 +198,9 @@ def assign_state(
     def keeps_dtype(name: str, t: torch.Tensor) -> bool:
         return not t.is_floating_point() or name.endswith(".scales")
 
-    state = {k: placed(v, device, v.dtype if keeps_dtype(k, v) else dtype) for k, v in state.items()}
+    keep = getattr(type(model), "keep_float32", ())
+    state = {k: placed(v, device, v.dtype if keeps_dtype(k, v) else load_dtype(k, v, dtype, keep))
+             for k, v in state.items()}
     model.load_state_dict(state, strict=False, assign=True)
     if tie:
         model.lm_head.weight = model.model.embed_tokens.weight

@@ -80,7 +80,42 @@ GEMMA3_270M = {
     "tie_word_embeddings": True,
 }
 
-PRESETS = {"qwen3.5-0.8b": QWEN3_5_0_8B, "lfm2-350m": LFM2_350M, "gemma3-270m": GEMMA3_270M}
+# Qwen3.5-35B-A3B's layout (every layer sparse: top-8 routed experts plus a sigmoid-gated shared
+# expert; 3 Gated DeltaNet layers per gated-attention layer; untied 248k vocabulary) scaled to a
+# machine of 16-32 GB: d 1024, 24 layers, 128 experts of width 256. 3.2 B parameters (6.4 GB in bf16),
+# of which a decode step reads 0.66 B (0.41 B without the LM head); tests/models/test_random.py counts.
+QWEN3_5_MOE_3B = {
+    "model_type": "qwen3_5_moe_text",
+    "vocab_size": 248320,
+    "hidden_size": 1024,
+    "num_hidden_layers": 24,
+    "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 6,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 256,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 16,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 256,
+    "shared_expert_intermediate_size": 256,
+    "rms_norm_eps": 1e-6,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "max_position_embeddings": 262144,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+    "eos_token_id": 248044,
+}
+
+PRESETS = {
+    "qwen3.5-0.8b": QWEN3_5_0_8B,
+    "lfm2-350m": LFM2_350M,
+    "gemma3-270m": GEMMA3_270M,
+    "qwen3.5-moe-3b": QWEN3_5_MOE_3B,
+}
 
 
 def random_state(config: dict, seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:

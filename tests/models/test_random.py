@@ -1,0 +1,37 @@
+"""The random-checkpoint presets (`models.random`): each builds as its family, and the Qwen3.5-MoE
+preset has the sizes its comment and `bench forward --preset` help state."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridlm.models.base import FAMILIES
+from hybridlm.models.moe import Experts, SparseMoE
+from hybridlm.models.random import PRESETS, QWEN3_5_MOE_3B
+
+
+def build(config: dict):
+    cls = FAMILIES[config["model_type"]]
+    with torch.device("meta"):
+        return cls(cls.text_config(config))
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_every_preset_builds_as_its_family(name):
+    model = build(PRESETS[name])
+    assert len(model.model.layers) == PRESETS[name]["num_hidden_layers"]
+
+
+def test_the_qwen3_5_moe_preset_holds_3_2_b_parameters_and_a_step_reads_0_66_b():
+    """Total parameters, and those a decode step reads: all but the unchosen experts (k of E per
+    layer) and the embedding table (one row)."""
+    model = build(QWEN3_5_MOE_3B)
+    assert all(isinstance(layer.mlp, SparseMoE) for layer in model.model.layers)
+    total = sum(p.numel() for p in model.parameters())
+    experts = sum(p.numel() for m in model.modules() if isinstance(m, Experts) for p in m.parameters())
+    e, k = QWEN3_5_MOE_3B["num_experts"], QWEN3_5_MOE_3B["num_experts_per_tok"]
+    read = total - experts * (e - k) / e - model.model.embed_tokens.weight.numel()
+    assert 3.1e9 < total < 3.3e9
+    assert 0.63e9 < read < 0.69e9
+    assert 0.38e9 < read - model.lm_head.weight.numel() < 0.44e9
