@@ -113,11 +113,15 @@ def test_a_gptq_checkpoint_loads_as_int4_layers_equal_to_its_dequantized_weights
     torch.testing.assert_close(as_f32(Batch.single(ids), as_f32.make_caches(1), logits="all"), want,
                                rtol=1e-5, atol=1e-5)
     # bf16 activations through the int4 decode kernels: close to the float32 reference; prefill's int8
-    # activations (ops.quant_gemm, where the CPU has VNNI) add their own error (measured KL 0.003)
+    # activations (ops.quant_gemm, where the CPU has VNNI or AVX2) add their own error (measured KL
+    # 0.003), and so do decode rows where they take the same integer kernel (AVX2)
     seqs = sequences(reference.vocab_size, 64, 32, seed=1)
     stats = compare(reference, {"decode": DecodeRows(model), "prefill": model}, seqs)
-    assert stats["decode"]["kl_mean"] < 1e-3 and stats["decode"]["top1_agreement"] >= 0.9, stats
     assert stats["prefill"]["kl_mean"] < 6e-3 and stats["prefill"]["top1_agreement"] >= 0.8, stats
+    if next(iter(layers.values()))._decodes_in_integers():
+        assert stats["decode"]["kl_mean"] == pytest.approx(stats["prefill"]["kl_mean"], rel=1e-3), stats
+    else:
+        assert stats["decode"]["kl_mean"] < 1e-3 and stats["decode"]["top1_agreement"] >= 0.9, stats
     assert len(plain_greedy(model, ids_for(9, seed=4), 5)) == 5
 
 
