@@ -19,7 +19,10 @@ from tests.server.inprocess import running
 # of the handling on a worker thread (decoding 3.2 M ids: ≤ 0.37 s on a loaded 2-core machine; text:
 # ≤ 0.06 s). The engine's validation on the event loop stalled it 0.9 s for 4 M ids (quiet machine);
 # test_health_answers_while_prompt_ids_are_validated proves that one off the loop exactly.
-HEALTH_BOUND_S = 0.75
+# Under CI's two pytest-xdist workers the other worker's tests share the 2 cores: one probe took
+# 0.88 s. A blocking parse of the 3.2 M ids (seconds) still fails this bound; the exact property is
+# the sibling test's.
+HEALTH_BOUND_S = 1.5
 
 
 def health_answers_while_blocked(engine, monkeypatch, owner, method: str, path: str, body: dict) -> None:
