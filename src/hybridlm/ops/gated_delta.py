@@ -78,23 +78,9 @@ def gated_delta_rule(
     """
     B, L, H, Dk = q.shape
     Dv = v.shape[-1]
-    if k.shape != q.shape or v.shape[:3] != (B, L, H) or g.shape != (B, L, H) or beta.shape != (B, L, H):
-        raise ValueError(f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
-                         f"g {tuple(g.shape)}, beta {tuple(beta.shape)}")
-    if state.shape != (B, H, Dk, Dv):
-        raise ValueError(f"state must be {(B, H, Dk, Dv)}, got {tuple(state.shape)}")
-    splits = checked_splits(splits, L)
-    if chunk_size is not None and chunk_size < 1:
-        raise ValueError(f"chunk_size must be None or >= 1, got {chunk_size}")
+    splits, valid, g, beta = _checked_inputs(q, k, v, g, (B, L, H), beta, state, splits, chunk_size,
+                                             query_lens)
     scale = Dk**-0.5 if scale is None else scale
-
-    valid = None
-    if query_lens is not None:
-        lens = torch.as_tensor(query_lens, device=q.device).view(B, 1)
-        valid = torch.arange(L, device=q.device) < lens  # [B, L]
-        # Identity steps: decay exp(0) = 1 and beta = 0 leave the state as it is.
-        g = g.masked_fill(~valid[..., None], 0.0)
-        beta = beta.masked_fill(~valid[..., None], 0.0)
 
     if chunk_size is None:
         chunk_size = 1 if L <= STEP_MAX_LEN else min(DEFAULT_CHUNK, 1 << (L - 1).bit_length())
@@ -110,11 +96,48 @@ def gated_delta_rule(
     if step:
         o, s, bounds = _step_scan(q, k, v, g, beta, s, scale, splits, own_state=inplace)
     else:
-        o, bounds = _chunked_scan(q, k, v, g, beta, s, scale, splits, chunk_size)
+        o, bounds = _chunked_scan(q, k, v, g[..., None], beta, s, scale, splits, chunk_size, BLOCK_TOKENS)
     if valid is not None:
         o = o.masked_fill(~valid[..., None, None], 0.0)
     final = state if inplace else s.view(B, H, Dk, Dv)
     return o, final, [b.view(B, H, Dk, Dv) for b in bounds]
+
+
+def _checked_inputs(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    g_shape: tuple[int, ...],
+    beta: Tensor,
+    state: Tensor,
+    splits: Sequence[int],
+    chunk_size: int | None,
+    query_lens: Tensor | Sequence[int] | None,
+) -> tuple[list[int], Tensor | None, Tensor, Tensor]:
+    """Check a delta-rule call's arguments (shapes as in ``gated_delta_rule``, ``g`` of ``g_shape``).
+
+    Returns ``(splits, valid, g, beta)``: the checked splits, the ``[B, L]`` mask of real tokens (None
+    without ``query_lens``) and g / beta with padded positions made identity steps.
+    """
+    B, L, H, Dk = q.shape
+    Dv = v.shape[-1]
+    if k.shape != q.shape or v.shape[:3] != (B, L, H) or g.shape != g_shape or beta.shape != (B, L, H):
+        raise ValueError(f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
+                         f"g {tuple(g.shape)}, beta {tuple(beta.shape)}")
+    if state.shape != (B, H, Dk, Dv):
+        raise ValueError(f"state must be {(B, H, Dk, Dv)}, got {tuple(state.shape)}")
+    splits = checked_splits(splits, L)
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"chunk_size must be None or >= 1, got {chunk_size}")
+    valid = None
+    if query_lens is not None:
+        lens = torch.as_tensor(query_lens, device=q.device).view(B, 1)
+        valid = torch.arange(L, device=q.device) < lens  # [B, L]
+        # Identity steps: decay exp(0) = 1 and beta = 0 leave the state as it is.
+        g = g.masked_fill(~valid.view(B, L, *(1,) * (g.dim() - 2)), 0.0)
+        beta = beta.masked_fill(~valid[..., None], 0.0)
+    return splits, valid, g, beta
 
 
 def _step_scan(
@@ -172,56 +195,67 @@ def _chunked_scan(
     scale: float,
     splits: list[int],
     C: int,
+    block_tokens: int,
 ) -> tuple[Tensor, list[Tensor]]:
-    """Chunked WY / UT form over chunks of ``C`` tokens (shapes as in ``gated_delta_rule``).
+    """Chunked WY / UT form over chunks of ``C`` tokens, shared by Gated DeltaNet and KDA (shapes as in
+    ``gated_delta_rule``, but ``g`` ``[B, L, H, G]``: ``G = 1``, one log decay per head, or ``G = Dk``,
+    one per key channel as in ``ops.kda``).
 
     Advances ``s`` ``[B*H, Dk, Dv]`` in place; returns ``o`` and the boundary states ``[B*H, Dk, Dv]``.
 
     Within a chunk, with ``c_i`` the cumulative log decay up to token ``i`` and ``S₀`` the state at
-    the chunk start, the delta rule's writes ``u_i = beta_i (v_i - k_iᵀ S_{i-1})`` solve the unit
-    lower-triangular system ``(I + A) u = beta·v - (beta·exp(c)·k) S₀`` with
-    ``A_ij = beta_i (k_i·k_j) exp(c_i - c_j)`` for ``j < i``. Everything except the ``S₀`` terms is
-    independent of the state and computed for many chunks at once; the sequential loop over chunks
+    the chunk start, the delta rule's writes ``u_i = beta_i (v_i - (e^{c_i} ⊙ k_i)ᵀ S₀ - Σ_{j<i} A_ij u_j)``
+    solve the unit lower-triangular system ``(I + A) u = beta·v - (beta·e^c ⊙ k) S₀`` with
+    ``A_ij = beta_i Σ_d k_id k_jd exp(c_id - c_jd)`` for ``j < i``. Everything except the ``S₀`` terms
+    is independent of the state and computed for many chunks at once; the sequential loop over chunks
     keeps two batched products and a decay::
 
-        u   = T·beta·v - (T·beta·exp(c)·k) S₀        with T = (I + A)⁻¹
-        o   = (scale·exp(c)·q) S₀ + P u               P_ij = scale (q_i·k_j) exp(c_i - c_j), j ≤ i
-        S₁  = exp(c_last) S₀ + (exp(c_last - c)·k)ᵀ u
+        u   = T·beta·v - (T·(beta·e^c ⊙ k)) S₀        with T = (I + A)⁻¹
+        o_i = scale (e^{c_i} ⊙ q_i)ᵀ S₀ + Σ_{j≤i} P_ij u_j     P_ij = scale Σ_d q_id k_jd exp(c_id - c_jd)
+        S₁  = diag(e^{c_last}) S₀ + Σ_j (e^{c_last - c_j} ⊙ k_j) u_jᵀ
 
-    Tokens are processed in blocks of ``BLOCK_TOKENS`` so that the precomputed tensors stay
+    Tokens are processed in blocks of ``block_tokens`` so that the precomputed tensors stay
     in cache and no large temporaries are allocated (fresh large allocations page-fault on CPU).
     """
     B, L, H, Dk = q.shape
     Dv = v.shape[-1]
+    per_channel = g.shape[-1] > 1
     dev = q.device
     o = torch.empty(B, L, H, Dv, dtype=v.dtype, device=dev)
     upper = torch.ones(C, C, dtype=torch.bool, device=dev).triu_(1)
     eye = torch.eye(C, dtype=torch.float32, device=dev)
     bounds = []
     pending = [t for t in splits if t < L]
-    block = -(-BLOCK_TOKENS // C) * C
+    block = -(-block_tokens // C) * C
+
+    def decayed(a: Tensor, b: Tensor, pair: Tensor) -> Tensor:
+        """``Σ_d a_id b_jd pair_ijd``: a per-channel decay does not factor out of the dot product."""
+        if per_channel:
+            return torch.einsum("nbid,nbjd,nbijd->nbij", a, b, pair)
+        return torch.matmul(a, b.transpose(-1, -2)).mul_(pair.squeeze(-1))
+
     for b0 in range(0, L, block):
         n_tok = min(block, L - b0)
         qc, kc, vc, gc, bc = (_load_chunks(x, b0, n_tok, C) for x in (q, k, v, g, beta))
         N = gc.shape[0]
-        gc = gc.cumsum_(-1)  # [N, BH, C]: log decay from the chunk start through token i
-        g_last = gc[..., -1:]
-        # exp(c_i - c_j) for j ≤ i, zero above the diagonal (masked after exp, never exp(-inf)).
-        pair_decay = _exp(gc[..., :, None] - gc[..., None, :]).masked_fill_(upper, 0.0)
+        gc = gc.cumsum_(2)  # [N, BH, C, G]: log decay from the chunk start through token i
+        g_last = gc[:, :, -1:]
+        # exp(c_i - c_j) for j ≤ i, zero above the diagonal (masked after exp, never exp(-inf)):
+        # [N, BH, C, C, G].
+        pair = _exp(gc[:, :, :, None] - gc[:, :, None, :]).masked_fill_(upper[..., None], 0.0)
         kb = kc * bc[..., None]
-        # solve_triangular with unitriangular=True ignores the diagonal of (kb kᵀ) ∘ decay, so this
+        # solve_triangular with unitriangular=True ignores the diagonal of the decayed kb kᵀ, so this
         # is I + A as far as the solve is concerned. One solve against the identity, then plain
         # products, is much cheaper than solving for the Dk + Dv right-hand sides directly.
-        T = torch.linalg.solve_triangular(
-            torch.matmul(kb, kc.transpose(-1, -2)).mul_(pair_decay), eye, upper=False, unitriangular=True
-        )
-        exp_c = _exp(gc)[..., None]
-        w = torch.matmul(T, kb.mul_(exp_c)).neg_()  # -(T·beta·exp(c)·k)  [N, BH, C, Dk]
+        T = torch.linalg.solve_triangular(decayed(kb, kc, pair), eye, upper=False, unitriangular=True)
+        exp_c = _exp(gc)
+        w = torch.matmul(T, kb.mul_(exp_c)).neg_()  # -(T·(beta·e^c ⊙ k))  [N, BH, C, Dk]
         u = torch.matmul(T, vc.mul_(bc[..., None]))  # T·beta·v, becomes u in the loop  [N, BH, C, Dv]
-        q_read = qc * (scale * exp_c)
-        inter = torch.empty_like(u)  # (scale·exp(c)·q) S₀
-        k_write = kc * _exp(g_last - gc)[..., None]  # exp(c_last - c)·k
-        chunk_decay = _exp(g_last)[..., None]  # [N, BH, 1, 1]
+        # A per-head decay is a [C, 1] column: scaling it first saves a pass over q.
+        q_read = qc * exp_c * scale if per_channel else qc * (scale * exp_c)
+        inter = torch.empty_like(u)  # (scale·e^c ⊙ q) S₀
+        k_write = kc * _exp(g_last - gc)  # e^{c_last - c} ⊙ k
+        chunk_decay = _exp(g_last).transpose(-1, -2)  # [N, BH, G, 1]
 
         for n in range(N):
             start = b0 + n * C
@@ -232,7 +266,7 @@ def _chunked_scan(
                 bounds.append(s.clone() if m == 0 else _mid_chunk_state(s, kc[n], gc[n], u[n], m))
             s.mul_(chunk_decay[n]).baddbmm_(k_write[n].transpose(-1, -2), u[n])
 
-        P = torch.matmul(qc, kc.transpose(-1, -2)).mul_(pair_decay).mul_(scale)
+        P = decayed(qc, kc, pair).mul_(scale)
         inter.view(-1, C, Dv).baddbmm_(P.view(-1, C, C), u.view(-1, C, Dv))
         _store_chunks(o, inter, b0, n_tok)
     # Padding tokens are identity steps, so the state after the last chunk is the state at L.
@@ -278,14 +312,14 @@ def _mid_chunk_state(s0: Tensor, k: Tensor, c: Tensor, u: Tensor, m: int) -> Ten
     """State after the first ``m`` tokens of a chunk, built from the chunk's own writes so that a split
     inside a chunk leaves the chunking, and the output, unchanged::
 
-        S_m = exp(c_{m-1}) S₀ + Σ_{j<m} exp(c_{m-1} - c_j) k_j u_jᵀ
+        S_m = diag(e^{c_{m-1}}) S₀ + Σ_{j<m} (e^{c_{m-1} - c_j} ⊙ k_j) u_jᵀ
 
-    ``s0`` ``[B*H, Dk, Dv]`` is the state at the chunk start, ``k`` ``[B*H, C, Dk]``, ``c`` ``[B*H, C]``
+    ``s0`` ``[B*H, Dk, Dv]`` is the state at the chunk start, ``k`` ``[B*H, C, Dk]``, ``c`` ``[B*H, C, G]``
     the cumulative log decay and ``u`` ``[B*H, C, Dv]`` the chunk's writes (already solved).
     """
-    c_m = c[:, m - 1 : m]
-    k_m = (k[:, :m] * _exp(c_m - c[:, :m])[..., None]).transpose(1, 2)
-    return torch.baddbmm(s0 * _exp(c_m)[..., None], k_m, u[:, :m])
+    c_m = c[:, m - 1 : m]  # [BH, 1, G]
+    k_m = (k[:, :m] * _exp(c_m - c[:, :m])).transpose(1, 2)
+    return torch.baddbmm(s0 * _exp(c_m).transpose(1, 2), k_m, u[:, :m])
 
 
 # A Gated DeltaNet layer from its conv output to the scan output, fused in C (csrc/gated_delta.c).

@@ -9,8 +9,8 @@ Per batch row and head, with a float32 state ``S`` of shape ``[Dk, Dv]`` and for
     o_t = (scale * q_t)ᵀ S
 
 (transformers' ``recurrent_kimi_delta_attention``, state layout ``[B, H, Dk, Dv]``). With ``g_t``
-the same in every channel this is Gated DeltaNet's rule (`ops.gated_delta`), whose chunk loading,
-clamped exp and split checking this module shares.
+the same in every channel this is Gated DeltaNet's rule (`ops.gated_delta`), whose chunked form
+(run here with a decay per channel) and split checking this module shares.
 
 Two algorithms: the step recurrence for a few tokens (decode, speculative verification, and never a
 chunked call for one token) and a chunked form for prompts. A per-channel decay does not factor out
@@ -28,8 +28,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from hybridlm.ops.gated_delta import _exp, _load_chunks, _store_chunks
-from hybridlm.ops.native import checked_splits
+from hybridlm.ops.gated_delta import _checked_inputs, _chunked_scan
 from hybridlm.ops.norms import l2_normalize
 
 # Up to this many tokens the step recurrence runs (it costs one state pass per token; a chunked call
@@ -82,24 +81,10 @@ def kda_rule(
     """
     B, L, H, Dk = q.shape
     Dv = v.shape[-1]
-    if k.shape != q.shape or g.shape != q.shape or v.shape[:3] != (B, L, H) or beta.shape != (B, L, H):
-        raise ValueError(f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
-                         f"g {tuple(g.shape)}, beta {tuple(beta.shape)}")
-    if state.shape != (B, H, Dk, Dv):
-        raise ValueError(f"state must be {(B, H, Dk, Dv)}, got {tuple(state.shape)}")
-    splits = checked_splits(splits, L)
-    if chunk_size is not None and chunk_size < 1:
-        raise ValueError(f"chunk_size must be None or >= 1, got {chunk_size}")
+    splits, valid, g, beta = _checked_inputs(q, k, v, g, q.shape, beta, state, splits, chunk_size, query_lens)
     scale = Dk**-0.5 if scale is None else scale
     if normalize_qk:
         q, k = l2_normalize(q.float()), l2_normalize(k.float())
-
-    valid = None
-    if query_lens is not None:
-        lens = torch.as_tensor(query_lens, device=q.device).view(B, 1)
-        valid = torch.arange(L, device=q.device) < lens  # [B, L]
-        g = g.masked_fill(~valid[..., None, None], 0.0)
-        beta = beta.masked_fill(~valid[..., None], 0.0)
 
     if chunk_size is None:
         chunk_size = 1 if L <= STEP_MAX_LEN else DEFAULT_CHUNK
@@ -112,7 +97,7 @@ def kda_rule(
     if chunk_size == 1:
         o, bounds = _step_scan(q, k, v, g, beta, s, scale, splits)
     else:
-        o, bounds = _chunked_scan(q, k, v, g, beta, s, scale, splits, chunk_size)
+        o, bounds = _chunked_scan(q, k, v, g, beta, s, scale, splits, chunk_size, BLOCK_TOKENS)
     if valid is not None:
         o = o.masked_fill(~valid[..., None, None], 0.0)
     final = state if inplace else s.view(B, H, Dk, Dv)
@@ -144,75 +129,3 @@ def _step_scan(q, k, v, g, beta, s, scale, splits) -> tuple[Tensor, list[Tensor]
         bounds.extend(s.clone() for u in splits if u == t + 1)
     o = out.view(L, B, H, Dv).transpose(0, 1).to(v.dtype, memory_format=torch.contiguous_format)
     return o, bounds
-
-
-def _chunked_scan(q, k, v, g, beta, s, scale, splits, C) -> tuple[Tensor, list[Tensor]]:
-    """Chunked form over chunks of ``C`` tokens, advancing ``s`` ``[B*H, Dk, Dv]`` in place; returns
-    ``o`` and the boundary states ``[B*H, Dk, Dv]``.
-
-    Within a chunk, with ``c_i`` the ``[Dk]`` cumulative log decay through token ``i`` and ``S₀`` the
-    state at the chunk start, the writes ``u_i = beta_i (v_i - (k_i ⊙ e^{c_i})ᵀ S₀ - Σ_{j<i} A_ij u_j)``
-    with ``A_ij = beta_i Σ_d k_id k_jd exp(c_id - c_jd)`` solve ``(I + A) u = beta·v - (beta·e^c ⊙ k) S₀``;
-    then::
-
-        u   = T·beta·v - (T·(beta·e^c ⊙ k)) S₀               with T = (I + A)⁻¹
-        o_i = scale (e^{c_i} ⊙ q_i)ᵀ S₀ + Σ_{j≤i} P_ij u_j     P_ij = scale Σ_d q_id k_jd exp(c_id - c_jd)
-        S₁  = diag(e^{c_last}) S₀ + Σ_j (e^{c_last - c_j} ⊙ k_j) u_jᵀ
-
-    Only the ``S₀`` products run in the sequential loop over chunks.
-    """
-    B, L, H, Dk = q.shape
-    Dv = v.shape[-1]
-    dev = q.device
-    o = torch.empty(B, L, H, Dv, dtype=v.dtype, device=dev)
-    upper = torch.ones(C, C, dtype=torch.bool, device=dev).triu_(1)
-    eye = torch.eye(C, dtype=torch.float32, device=dev)
-    bounds = []
-    pending = [t for t in splits if t < L]
-    block = -(-BLOCK_TOKENS // C) * C
-    for b0 in range(0, L, block):
-        n_tok = min(block, L - b0)
-        qc, kc, vc, gc = (_load_chunks(x, b0, n_tok, C) for x in (q, k, v, g))
-        bc = _load_chunks(beta, b0, n_tok, C)  # [N, BH, C]
-        gc = gc.cumsum_(2)  # [N, BH, C, Dk]
-        g_last = gc[:, :, -1:]  # [N, BH, 1, Dk]
-        # exp(c_i - c_j) per channel for j ≤ i, zero above the diagonal: [N, BH, C, C, Dk]
-        pair = _exp(gc[:, :, :, None] - gc[:, :, None, :]).masked_fill_(upper[..., None], 0.0)
-        kb = kc * bc[..., None]
-        # (I + A): solve_triangular's unitriangular ignores the diagonal of the product.
-        A = torch.einsum("nbid,nbjd,nbijd->nbij", kb, kc, pair)
-        T = torch.linalg.solve_triangular(A, eye, upper=False, unitriangular=True)
-        exp_c = _exp(gc)
-        w = torch.matmul(T, kb * exp_c).neg_()  # [N, BH, C, Dk]
-        u = torch.matmul(T, vc.mul_(bc[..., None]))  # [N, BH, C, Dv]
-        q_read = qc * exp_c * scale
-        inter = torch.empty_like(u)
-        k_write = kc * _exp(g_last - gc)
-        chunk_decay = _exp(g_last).transpose(-1, -2)  # [N, BH, Dk, 1]
-        N = gc.shape[0]
-        for n in range(N):
-            start = b0 + n * C
-            u[n].baddbmm_(w[n], s)
-            torch.bmm(q_read[n], s, out=inter[n])
-            while pending and pending[0] < start + C:
-                m = pending.pop(0) - start
-                bounds.append(s.clone() if m == 0 else _mid_chunk_state(s, kc[n], gc[n], u[n], m))
-            s.mul_(chunk_decay[n]).baddbmm_(k_write[n].transpose(-1, -2), u[n])
-        P = torch.einsum("nbid,nbjd,nbijd->nbij", qc, kc, pair).mul_(scale)
-        inter.view(N * s.shape[0], C, Dv).baddbmm_(P.view(-1, C, C), u.view(-1, C, Dv))
-        _store_chunks(o, inter, b0, n_tok)
-    bounds.extend(s.clone() for t in splits if t == L)
-    return o, bounds
-
-
-def _mid_chunk_state(s0: Tensor, k: Tensor, c: Tensor, u: Tensor, m: int) -> Tensor:
-    """State after the first ``m`` tokens of a chunk from the chunk's own writes (so a split inside a
-    chunk changes neither the chunking nor the output)::
-
-        S_m = diag(e^{c_{m-1}}) S₀ + Σ_{j<m} (e^{c_{m-1} - c_j} ⊙ k_j) u_jᵀ
-
-    ``s0`` ``[B*H, Dk, Dv]``, ``k`` and ``c`` ``[B*H, C, Dk]``, ``u`` ``[B*H, C, Dv]``.
-    """
-    c_m = c[:, m - 1 : m]  # [BH, 1, Dk]
-    k_m = (k[:, :m] * _exp(c_m - c[:, :m])).transpose(1, 2)
-    return torch.baddbmm(s0 * _exp(c_m).transpose(1, 2), k_m, u[:, :m])
