@@ -25,21 +25,12 @@ from hybridlm.batch import Batch
 from hybridlm.cache.base import LayerCache, Snapshot
 from hybridlm.models.base import CausalLM
 from hybridlm.ops.quant import QUANTIZATIONS
+from hybridlm.prefix.session import Session, common_prefix
 from hybridlm.speculative.base import Draft, Drafter, TargetPolicy, draw
 from hybridlm.speculative.verify import commit_caches
 
 if TYPE_CHECKING:
-    from hybridlm.prefix.session import Session
     from hybridlm.speculative.assistant import Assistant
-
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 def load_draft(
