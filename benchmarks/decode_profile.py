@@ -28,7 +28,7 @@ import torch
 
 import hybridlm.models.layers as layers_mod
 from hybridlm.batch import Batch
-from hybridlm.bench.forward import preset_dir
+from hybridlm.bench.forward import prefilled_sequences, preset_dir
 from hybridlm.bench.limits import memory_bandwidth_gbs
 from hybridlm.models import load_model
 from hybridlm.models.base import forward_packed
@@ -91,12 +91,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model = load_model(preset_dir(args.preset), dtype=torch.bfloat16, quantize=args.quantize)
     bandwidth = memory_bandwidth_gbs()
-    caches, logits, offsets = [], [], []
-    for i in range(args.sequences):
-        caches.append(model.make_caches(1))
-        ids = torch.randint(0, model.vocab_size, (args.context + i,)).tolist()
-        logits.append(model(Batch.single(ids, device=model.device), caches[-1]))
-        offsets.append(args.context + i)
+    offsets = [args.context + i for i in range(args.sequences)]
+    caches, logits = prefilled_sequences(model, offsets)
     plain, logits, offsets = steps(model, caches, logits, offsets, args.steps + 3)
     plain = sorted(plain[3:])
     with without_plans():

@@ -156,16 +156,24 @@ def time_decode(model, steps: int, context: int = 128) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def prefilled_sequences(model, contexts: list[int]) -> tuple[list, list[torch.Tensor]]:
+    """One sequence per entry of `contexts`, each with its own fresh caches prefilled with that many
+    random tokens: (the caches, each sequence's last logits [1, V])."""
+    caches, logits = [], []
+    for context in contexts:
+        caches.append(model.make_caches(1))
+        ids = torch.randint(0, model.vocab_size, (context,)).tolist()
+        logits.append(model(Batch.single(ids, device=model.device), caches[-1]))
+    return caches, logits
+
+
 def time_packed_decode(model, rows: int, steps: int, context: int = 128) -> float:
     """Median seconds of one continuous-batching decode step of `rows` sequences (one token each,
     packed into one forward as the engine's step does), each after its own `context`-token prefill."""
     from hybridlm.models.base import forward_packed
 
-    caches = [model.make_caches(1) for _ in range(rows)]
-    tokens = []
-    for cache in caches:
-        ids = torch.randint(0, model.vocab_size, (context,)).tolist()
-        tokens.append(int(greedy(model(Batch.single(ids, device=model.device), cache))[0]))
+    caches, logits = prefilled_sequences(model, [context] * rows)
+    tokens = [int(greedy(x)[0]) for x in logits]
     times = []
     for i in range(steps + 3):
         segments = [Batch.single([t], offset=context + i, device=model.device) for t in tokens]
