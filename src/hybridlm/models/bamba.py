@@ -7,13 +7,11 @@ final norm `final_layernorm`; `remap` renames them so the shared `DecoderLayer` 
 
 from __future__ import annotations
 
-import math
-
 from torch import nn
 
-from hybridlm.models.base import CausalLM, Config, register
+from hybridlm.models.base import CausalLM, Config, register, renamed
 from hybridlm.models.layers import Attention, DecoderLayer, GatedMLP
-from hybridlm.models.mamba2 import Mamba2Mixer
+from hybridlm.models.mamba2 import mamba2_mixer
 from hybridlm.ops.linear import Linear
 from hybridlm.ops.norms import RMSNorm
 from hybridlm.ops.rope import Rotary, inv_freq_from_params
@@ -23,13 +21,6 @@ RENAMES = [
     (".pre_ff_layernorm.", ".post_attention_layernorm."),
     (".feed_forward.", ".mlp."),
 ]
-
-
-def time_step_limit(c: Config) -> tuple[float, float]:
-    """Δ's clamp; absent or null in the config means none. transformers 5 writes a non-finite bound
-    as ``{"__float__": "Infinity"}`` (JSON has no infinity), older configs as the literal ``Infinity``."""
-    limit = c.get("time_step_limit") or (0.0, math.inf)
-    return tuple(float(v["__float__"] if isinstance(v, dict) else v) for v in limit)
 
 
 @register("bamba")
@@ -44,9 +35,6 @@ class Bamba(CausalLM):
         rope = c.get_rope()
         rope.setdefault("partial_rotary_factor", 0.5)  # transformers hard-codes it for Bamba
         rotary = Rotary(*inv_freq_from_params(head_dim, rope))
-        inner = int(c.mamba_expand * d)
-        mamba_head = c.get("mamba_d_head", "auto")
-        mamba_head = inner // c.mamba_n_heads if mamba_head in (None, "auto") else mamba_head
         attn = set(c.get("attn_layer_indices") or [])
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(c.vocab_size, d)
@@ -58,11 +46,7 @@ class Bamba(CausalLM):
                                   bias=c.get("attention_bias", False))
             else:
                 mixer_name = "mamba"
-                mixer = Mamba2Mixer(
-                    d, c.mamba_n_heads, mamba_head, c.mamba_n_groups, c.mamba_d_state, c.mamba_d_conv,
-                    eps=c.rms_norm_eps, dt_limit=time_step_limit(c), conv_bias=c.get("mamba_conv_bias", True),
-                    proj_bias=c.get("mamba_proj_bias", False),
-                )
+                mixer = mamba2_mixer(c)
             mlp = GatedMLP(d, c.intermediate_size, c.get("hidden_act", "silu"), bias=c.get("mlp_bias", False))
             self.model.layers.append(DecoderLayer(mixer_name, mixer, mlp, RMSNorm, d, c.rms_norm_eps))
         self.model.norm = RMSNorm(d, eps=c.rms_norm_eps)
@@ -70,7 +54,4 @@ class Bamba(CausalLM):
 
     @classmethod
     def remap(cls, name: str, config: Config) -> str | None:
-        for old, new in RENAMES:
-            if old in name:
-                return name.replace(old, new, 1)
-        return name
+        return renamed(name, RENAMES)

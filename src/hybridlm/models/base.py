@@ -162,6 +162,14 @@ class CausalLM(nn.Module):
 
 
 @torch.no_grad()
+def renamed(name: str, renames: list[tuple[str, str]]) -> str:
+    """`name` with the first of `renames`' ``(old, new)`` pairs whose ``old`` it contains applied, once."""
+    for old, new in renames:
+        if old in name:
+            return name.replace(old, new, 1)
+    return name
+
+
 def forward_packed(
     model: CausalLM,
     segments: list[Batch],

@@ -24,10 +24,9 @@ from torch import nn
 
 from hybridlm.batch import Batch
 from hybridlm.cache.base import LayerCache
-from hybridlm.models.bamba import time_step_limit
 from hybridlm.models.base import CausalLM, Config, register
 from hybridlm.models.layers import Attention, GatedMLP
-from hybridlm.models.mamba2 import Mamba2Mixer
+from hybridlm.models.mamba2 import Mamba2Mixer, mamba_head_dim, time_step_limit
 from hybridlm.ops.elementwise import elementwise_rows
 from hybridlm.ops.linear import Linear
 from hybridlm.ops.norms import RMSNorm
@@ -100,8 +99,7 @@ class FalconH1Layer(nn.Module):
         d, eps = c.hidden_size, c.rms_norm_eps
         head_dim = c.get("head_dim") or d // c.num_attention_heads
         inner = c.get("mamba_d_ssm") or int(c.mamba_expand * d)
-        mamba_head = c.get("mamba_d_head", "auto")
-        mamba_head = inner // c.mamba_n_heads if mamba_head in (None, "auto") else mamba_head
+        mamba_head = mamba_head_dim(c, inner)
         self.attn_in = c.get("attention_in_multiplier", 1.0)
         self.attn_out = c.get("attention_out_multiplier", 1.0)
         self.ssm_out = c.get("ssm_out_multiplier", 1.0)

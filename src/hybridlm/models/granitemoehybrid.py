@@ -17,10 +17,9 @@ import torch
 from torch import nn
 
 from hybridlm.batch import Batch
-from hybridlm.models.bamba import time_step_limit
-from hybridlm.models.base import CausalLM, Config, register
+from hybridlm.models.base import CausalLM, Config, register, renamed
 from hybridlm.models.layers import Attention, DecoderLayer, GatedMLP
-from hybridlm.models.mamba2 import Mamba2Mixer
+from hybridlm.models.mamba2 import mamba2_mixer
 from hybridlm.models.moe import Experts
 from hybridlm.ops.linear import Linear
 from hybridlm.ops.norms import RMSNorm
@@ -87,9 +86,6 @@ class GraniteMoeHybrid(CausalLM):
             rotary = Rotary(*inv_freq_from_params(head_dim, c.get_rope()))
         else:
             rotary = Rotary(torch.zeros(0, device="cpu"))  # no positional encoding: a rotation of no dims
-        inner = int(c.mamba_expand * d)
-        mamba_head = c.get("mamba_d_head", "auto")
-        mamba_head = inner // c.mamba_n_heads if mamba_head in (None, "auto") else mamba_head
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(c.vocab_size, d)
         self.model.layers = nn.ModuleList()
@@ -103,11 +99,7 @@ class GraniteMoeHybrid(CausalLM):
                 )
             else:
                 mixer_name = "mamba"
-                mixer = Mamba2Mixer(
-                    d, c.mamba_n_heads, mamba_head, c.mamba_n_groups, c.mamba_d_state, c.mamba_d_conv,
-                    eps=c.rms_norm_eps, dt_limit=time_step_limit(c), conv_bias=c.get("mamba_conv_bias", True),
-                    proj_bias=c.get("mamba_proj_bias", False),
-                )
+                mixer = mamba2_mixer(c)
             mlp = GatedMLP(d, c.shared_intermediate_size, c.get("hidden_act", "silu"))
             self.model.layers.append(ScaledDecoderLayer(
                 mixer_name, mixer, mlp, RMSNorm, d, c.rms_norm_eps,
@@ -126,10 +118,7 @@ class GraniteMoeHybrid(CausalLM):
 
     @classmethod
     def remap(cls, name: str, config: Config) -> str | None:
-        for old, new in RENAMES:
-            if old in name:
-                return name.replace(old, new, 1)
-        return name
+        return renamed(name, RENAMES)
 
     @classmethod
     def convert(cls, state: dict[str, torch.Tensor], config: Config) -> dict[str, torch.Tensor]:

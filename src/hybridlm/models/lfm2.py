@@ -16,7 +16,7 @@ from torch import nn
 
 from hybridlm.batch import Batch, Packed
 from hybridlm.cache import ConvCache
-from hybridlm.models.base import CausalLM, Config, register
+from hybridlm.models.base import CausalLM, Config, register, renamed
 from hybridlm.models.layers import Attention, DecoderLayer, GatedMLP, per_segment, segment_rows
 from hybridlm.models.moe import SIGMOID, Experts, Router, SparseMoE, stack_experts
 from hybridlm.ops.conv import causal_conv1d, causal_conv1d_packed
@@ -166,10 +166,7 @@ class Lfm2(CausalLM):
 
     @classmethod
     def remap(cls, name: str, config: Config) -> str | None:
-        for old, new in RENAMES:
-            if old in name:
-                return name.replace(old, new, 1)
-        return name
+        return renamed(name, RENAMES)
 
 
 @register("lfm2_moe")

@@ -1,4 +1,5 @@
-"""The Mamba-2 token mixer shared by the Mamba-2 hybrids (`bamba`, and the families built on it).
+"""The Mamba-2 token mixer shared by the Mamba-2 hybrids (`bamba`, and the families built on it),
+and how the families that use Bamba's ``mamba_*`` config keys build it.
 
 in_proj -> z ‖ xBC ‖ dt; causal depthwise conv + SiLU over xBC; the SSD state update
 (`ops.mamba2`); a gated RMSNorm per group of channels; out_proj. Attribute names follow the Hugging
@@ -23,6 +24,7 @@ from torch import nn
 
 from hybridlm.batch import Batch
 from hybridlm.cache import Mamba2Cache
+from hybridlm.models.base import Config
 from hybridlm.models.layers import per_segment
 from hybridlm.ops.conv import causal_conv1d
 from hybridlm.ops.linear import Linear
@@ -180,3 +182,26 @@ class Mamba2Mixer(nn.Module):
             gates=dt if hist.record else None,
         )
         return y
+
+
+def time_step_limit(c: Config) -> tuple[float, float]:
+    """Δ's clamp; absent or null in the config means none. transformers 5 writes a non-finite bound
+    as ``{"__float__": "Infinity"}`` (JSON has no infinity), older configs as the literal ``Infinity``."""
+    limit = c.get("time_step_limit") or (0.0, math.inf)
+    return tuple(float(v["__float__"] if isinstance(v, dict) else v) for v in limit)
+
+
+def mamba_head_dim(c: Config, inner: int) -> int:
+    """`mamba_d_head`; "auto" or absent means the `inner` channels split evenly over the heads."""
+    head = c.get("mamba_d_head", "auto")
+    return inner // c.mamba_n_heads if head in (None, "auto") else head
+
+
+def mamba2_mixer(c: Config) -> Mamba2Mixer:
+    """The Mamba-2 mixer of a Bamba or Granite 4.0-H layer, from the config's ``mamba_*`` keys."""
+    d = c.hidden_size
+    return Mamba2Mixer(
+        d, c.mamba_n_heads, mamba_head_dim(c, int(c.mamba_expand * d)), c.mamba_n_groups, c.mamba_d_state,
+        c.mamba_d_conv, eps=c.rms_norm_eps, dt_limit=time_step_limit(c),
+        conv_bias=c.get("mamba_conv_bias", True), proj_bias=c.get("mamba_proj_bias", False),
+    )
