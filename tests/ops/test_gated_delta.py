@@ -21,6 +21,7 @@ from hybridlm.ops.gated_delta import (
     gated_delta_net_scan_packed,
     gated_delta_rule,
 )
+from tests.ops.delta_reference import reference
 from tests.ops.packed import packed_layout
 
 # As the engine does: subnormal intermediates (from strongly decaying heads) take slow CPU paths.
@@ -43,20 +44,6 @@ def make_inputs(B, L, H, Dk, Dv, *, dtype=torch.float32, seed=0):
     beta = torch.sigmoid(torch.randn(B, L, H, generator=gen))
     state = 0.5 * torch.randn(B, H, Dk, Dv, generator=gen)
     return q, k, v, g, beta, state
-
-
-def reference(q, k, v, g, beta, state, scale=None):
-    """The recurrence token by token in float64: (o [B, L, H, Dv], final state [B, H, Dk, Dv])."""
-    q, k, v, g, beta, S = (x.double() for x in (q, k, v, g, beta, state))
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    o = torch.zeros(*v.shape, dtype=torch.float64)
-    for t in range(q.shape[1]):
-        S = S * g[:, t].exp()[..., None, None]
-        kv = torch.einsum("bhk,bhkv->bhv", k[:, t], S)
-        delta = (v[:, t] - kv) * beta[:, t, :, None]
-        S = S + k[:, t, :, :, None] * delta[:, :, None, :]
-        o[:, t] = torch.einsum("bhk,bhkv->bhv", q[:, t] * scale, S)
-    return o, S
 
 
 def run(inputs, **kw):
