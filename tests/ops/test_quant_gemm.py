@@ -68,7 +68,7 @@ def _int8_reference64(x, layer):
 
 # whole-row scales (96 is no multiple of ACT_BLOCK), ACT_BLOCK blocks; a short last panel; no bias
 @pytest.mark.parametrize("k, n, bias", [(96, 48, True), (256, 37, True), (256, 32, False)])
-@pytest.mark.parametrize("rows", [1, 4, 30])  # every tile height (AVX2: 6 rows, a call site per count)
+@pytest.mark.parametrize("rows", [1, 2, 3, 9, 30])  # AVX2: in-place rows (≤ 8, in pairs) and 6-row tiles
 def test_int8_prefill_equals_a_float64_reference_of_the_quantized_math(k, n, bias, rows, integer_isa):
     layer = _layer(k, n, "int8", bias=bias)
     x = _x(rows, k)
@@ -122,7 +122,7 @@ def test_prefill_row_never_depends_on_the_rows_beside_it(scheme, integer_isa):
     x = _x(40, 128)
     run = layer._forward_integer
     whole = run(x)
-    parts = torch.cat([run(x[i : i + c]) for i, c in zip((0, 1, 10, 19), (1, 9, 9, 21), strict=True)])
+    parts = torch.cat([run(x[i : i + c]) for i, c in zip((0, 1, 3, 10, 19), (1, 2, 7, 9, 21), strict=True)])
     assert torch.equal(parts, whole)
 
 

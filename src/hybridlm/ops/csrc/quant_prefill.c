@@ -378,9 +378,73 @@ static inline __attribute__((always_inline)) void tile8(const int8_t* x, const f
     }
 }
 
+/* int8, few input rows (decode): NR weight rows read where they lie, row-major. tile8's per-call copy of a
+   group's weights into words costs more than one or two rows' multiplications; here each row's 32-byte
+   chunk meets the activations in place and a block's eight int32 lanes per row are added horizontally
+   (still exact), so the float32 steps after them are tile8's, in the same order: the same bits. acc[c]
+   holds outputs n0 .. n0 + NR of input row c in its low four lanes; rows ≥ nr repeat row 0, unstored. */
+#define NR 4
+static inline __attribute__((always_inline)) void rows8(const int8_t* x, const float* xs, int64_t K, int64_t B,
+                                                        int mt, const int8_t* q, int64_t nr, __m256 acc[2]) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    const int64_t blocks = K / B;
+    const int8_t* w[NR];
+    for (int r = 0; r < NR; r++) w[r] = q + (r < nr ? r : 0) * K;
+    __m128 sums[2] = {_mm_setzero_ps(), _mm_setzero_ps()};
+    for (int64_t g = 0; g < blocks; g++) {
+        __m256i sum[2][NR];
+        for (int c = 0; c < mt; c++)
+            for (int r = 0; r < NR; r++) sum[c][r] = _mm256_setzero_si256();
+        for (int64_t k = g * B; k < (g + 1) * B; k += 32) {
+            __m256i xv[2];
+            for (int c = 0; c < mt; c++) xv[c] = _mm256_loadu_si256((const __m256i*)(x + c * K + k));
+            for (int r = 0; r < NR; r++) {
+                const __m256i wv = _mm256_loadu_si256((const __m256i*)(w[r] + k)), av = _mm256_abs_epi8(wv);
+                for (int c = 0; c < mt; c++)
+                    sum[c][r] = _mm256_add_epi32(
+                        sum[c][r], _mm256_madd_epi16(_mm256_maddubs_epi16(av, _mm256_sign_epi8(xv[c], wv)), ones));
+            }
+        }
+        for (int c = 0; c < mt; c++) {
+            /* lanes (0..3 | 4..7) of rows 0..3 in each 128-bit half, then the halves added */
+            const __m256i s = _mm256_hadd_epi32(_mm256_hadd_epi32(sum[c][0], sum[c][1]),
+                                                _mm256_hadd_epi32(sum[c][2], sum[c][3]));
+            const __m128i exact = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+            sums[c] = _mm_fmadd_ps(_mm_cvtepi32_ps(exact), _mm_set1_ps(xs[c * blocks + g]), sums[c]);
+        }
+    }
+    for (int c = 0; c < mt; c++) acc[c] = _mm256_zextps128_ps256(sums[c]);
+}
+
+/* hybridlm_prefill_int8 for M ≤ ROWS_MAX input rows and blocks of whole 32-byte chunks: rows8 over groups
+   of NR weight rows, two input rows at a time (the group's weights stay in L1 between pairs). */
+#define ROWS_MAX 8
+static void int8_rows(const int8_t* xq, const float* xs, int64_t M, const int8_t* q, const float* ws,
+                      const uint16_t* bias, uint16_t* y, int64_t N, int64_t K, int64_t B, int nthreads) {
+    const int64_t blocks = K / B;
+    #pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t p = 0; p < (N + NR - 1) / NR; p++) {
+        const int64_t n0 = p * NR, nr = N - n0 < NR ? N - n0 : NR;
+        float wsb[8] = {0};
+        memcpy(wsb, ws + n0, (size_t)nr * sizeof(float));
+        const __m256 wsv = _mm256_loadu_ps(wsb), bv = bias ? widen8(bias + n0, nr, 0) : _mm256_setzero_ps();
+        for (int64_t m0 = 0; m0 < M; m0 += 2) {
+            __m256 acc[2];
+            if (M - m0 >= 2) rows8(xq + m0 * K, xs + m0 * blocks, K, B, 2, q + n0 * K, nr, acc);
+            else rows8(xq + m0 * K, xs + m0 * blocks, K, B, 1, q + n0 * K, nr, acc);
+            for (int c = 0; c < 2 && m0 + c < M; c++)
+                store_bf16(y + (m0 + c) * N + n0, _mm256_fmadd_ps(acc[c], wsv, bv), nr);
+        }
+    }
+}
+
 /* See the AVX-512 hybridlm_prefill_int8. */
 int hybridlm_prefill_int8(const int8_t* xq, const float* xs, int64_t M, const int8_t* q, const float* ws,
                           const uint16_t* bias, uint16_t* y, int64_t N, int64_t K, int64_t B, int nthreads) {
+    if (M <= ROWS_MAX && B % 32 == 0) {
+        int8_rows(xq, xs, M, q, ws, bias, y, N, K, B, nthreads);
+        return 0;
+    }
     const int64_t blocks = K / B, groups8 = (N + 7) / 8, words = K / 4 * 8;
     uint32_t* packed = aligned_alloc(32, (size_t)(2 * nthreads * words) * sizeof(uint32_t));
     if (!packed) return -1;
