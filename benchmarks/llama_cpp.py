@@ -1,7 +1,7 @@
 """llama.cpp and hybridlm side by side on the same random weights: single-stream speed and serving.
 
     python benchmarks/llama_cpp.py forward --llama-cpp SRC --llama-bin BIN
-        [--preset qwen3.5-0.8b | --model DIR] [--weights bf16 int8 int4] [--rounds 2] [--threads 2]
+        [--preset NAME | --model DIR] [--weights bf16 int8 int4] [--rounds 2] [--threads 2]
         [--prompt 512] [--gen 64] [--busy-core] [--work DIR] [--json FILE]
     python benchmarks/llama_cpp.py serve --llama-cpp SRC --llama-bin BIN [...] [--weights bf16]
         [--clients 8] [--prompt 512] [--gen 128] [--rounds 2] [--also-no-prefix-cache] [--json FILE]
@@ -96,8 +96,29 @@ FORWARD_TARGETS = {
 SERVE_TARGET, SERVE_TARGET_CLIENTS = 1.3, 8
 AGENT_TARGET = 0.5  # hybridlm's wall ÷ llama-server's, at most
 HYBRIDLM_DECODE_STEPS = 32
-# architectures for configs written without one (hybridlm's presets), which the converter needs
-ARCHITECTURES = {"qwen3_5_text": "Qwen3_5ForCausalLM"}
+# `architectures` for configs written without one (hybridlm's presets): the class names llama.cpp's
+# converter registers (`@ModelBase.register`) for each model_type hybridlm loads that it converts
+ARCHITECTURES = {
+    "qwen3_5_text": "Qwen3_5ForCausalLM",
+    "qwen3_5": "Qwen3_5ForCausalLM",
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+    "qwen3_5_moe": "Qwen3_5MoeForCausalLM",
+    "qwen3_next": "Qwen3NextForCausalLM",
+    "nemotron_h": "NemotronHForCausalLM",
+    "lfm2": "Lfm2ForCausalLM",
+    "lfm2_moe": "Lfm2MoeForCausalLM",
+    "granitemoehybrid": "GraniteMoeHybridForCausalLM",
+    "bamba": "BambaForCausalLM",
+    "falcon_h1": "FalconH1ForCausalLM",
+    "kimi_linear": "KimiLinearForCausalLM",
+    "bailing_hybrid": "BailingMoeV3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+    "gemma4_text": "Gemma4ForCausalLM",
+    "gemma4": "Gemma4ForCausalLM",
+    "llama": "LlamaForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
 
 
 def fail(message: str) -> SystemExit:
@@ -749,6 +770,8 @@ def check_llama(args, binaries: list[str]) -> None:
 
 
 def main() -> int:
+    from hybridlm.models.random import PRESETS
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
     for name, helptext in (
@@ -766,7 +789,7 @@ def main() -> int:
         model = s.add_mutually_exclusive_group()
         model.add_argument(
             "--preset",
-            choices=["qwen3.5-0.8b"],
+            choices=sorted(PRESETS),
             default="qwen3.5-0.8b",
             help="hybridlm's random checkpoint of this shape (default)",
         )
