@@ -15,10 +15,13 @@ The checkpoint (hybridlm's random one of the preset's shape, or ``--model DIR``)
 weights kind and cached in ``--work`` (default ``~/.cache/hybridlm/llama_cpp/<model name>/``): a bf16
 GGUF by llama.cpp's converter, then ``llama-quantize`` to Q8_0 (against hybridlm's int8) and Q4_K_M
 (against int4: the llama.cpp and ollama default). A preset ships no tokenizer, which the converter
-needs: the script writes one, hybridlm's demo byte-level BPE (4096 ids) with ``<|endoftext|>`` moved
-to the config's ``eos_token_id``; the converter pads the ids it lacks up to ``vocab_size``. Both sides
-are fed token ids, so the tokenizer only has to load. The converter runs in this process with
-``transformers`` (hybridlm's ``test`` extra) and the tree's ``gguf-py``.
+needs: the script writes one, hybridlm's demo byte-level BPE (4096 ids) whose EOS is the config's
+``eos_token_id`` (``<|endoftext|>`` moved there when that id is past the demo's); the converter pads the
+ids it lacks up to ``vocab_size``. Both sides are fed token ids, so the tokenizer only has to load. The
+converter runs in this process with ``transformers`` (hybridlm's ``test`` extra) and the tree's
+``gguf-py``, reading config.json as written (not through the installed transformers' AutoConfig, whose
+defaults can change what it converts to: see `convert`). Presets need no ``architectures`` in their
+config: ``ARCHITECTURES`` names the converter's class for each family it converts.
 
 ``forward``: each round measures, per weights kind in turn (so both engines see the same minute of
 the machine), ``llama-bench -p PROMPT -n GEN`` (prompt and generation tok/s) and ``hybridlm bench
@@ -256,8 +259,10 @@ def model_source(args) -> tuple[str, Path]:
 
 
 def synthetic_tokenizer(config: dict) -> tuple[dict, dict]:
-    """(tokenizer.json, tokenizer_config.json) for a checkpoint that ships none: hybridlm's demo BPE
-    with <|endoftext|> at the config's eos_token_id, so the GGUF's EOS is the id the model was given."""
+    """(tokenizer.json, tokenizer_config.json) for a checkpoint that ships none: hybridlm's demo BPE,
+    with the GGUF's EOS the id the model was given. An eos_token_id past the demo's ids (Qwen's
+    248044) takes <|endoftext|>, named the EOS token; one among them (Nemotron-H's 2, a byte token)
+    is left where it is and no EOS token named, so the converter reads the id from config.json."""
     tokenizer = json.loads(resources.files("hybridlm.demo").joinpath("tokenizer.json").read_text())
     eos = config.get("eos_token_id")
     eos = eos[0] if isinstance(eos, list) else eos
@@ -266,7 +271,11 @@ def synthetic_tokenizer(config: dict) -> tuple[dict, dict]:
         for token in tokenizer["added_tokens"]:
             if token["content"] == "<|endoftext|>":
                 token["id"] = eos
-    return tokenizer, {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>"}
+    end = next(t["id"] for t in tokenizer["added_tokens"] if t["content"] == "<|endoftext|>")
+    tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast"}
+    if not isinstance(eos, int) or end == eos:
+        tokenizer_config["eos_token"] = "<|endoftext|>"
+    return tokenizer, tokenizer_config
 
 
 def stage_checkpoint(source: Path, hf: Path) -> bool:
