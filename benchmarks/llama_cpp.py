@@ -1,7 +1,7 @@
 """llama.cpp and hybridlm side by side on the same random weights: single-stream speed and serving.
 
     python benchmarks/llama_cpp.py forward --llama-cpp SRC --llama-bin BIN
-        [--preset qwen3.5-0.8b | --model DIR] [--weights bf16 int8 int4] [--rounds 2] [--threads 2]
+        [--preset NAME | --model DIR] [--weights bf16 int8 int4] [--rounds 2] [--threads 2]
         [--prompt 512] [--gen 64] [--busy-core] [--work DIR] [--json FILE]
     python benchmarks/llama_cpp.py serve --llama-cpp SRC --llama-bin BIN [...] [--weights bf16]
         [--clients 8] [--prompt 512] [--gen 128] [--rounds 2] [--also-no-prefix-cache] [--json FILE]
@@ -15,10 +15,13 @@ The checkpoint (hybridlm's random one of the preset's shape, or ``--model DIR``)
 weights kind and cached in ``--work`` (default ``~/.cache/hybridlm/llama_cpp/<model name>/``): a bf16
 GGUF by llama.cpp's converter, then ``llama-quantize`` to Q8_0 (against hybridlm's int8) and Q4_K_M
 (against int4: the llama.cpp and ollama default). A preset ships no tokenizer, which the converter
-needs: the script writes one, hybridlm's demo byte-level BPE (4096 ids) with ``<|endoftext|>`` moved
-to the config's ``eos_token_id``; the converter pads the ids it lacks up to ``vocab_size``. Both sides
-are fed token ids, so the tokenizer only has to load. The converter runs in this process with
-``transformers`` (hybridlm's ``test`` extra) and the tree's ``gguf-py``.
+needs: the script writes one, hybridlm's demo byte-level BPE (4096 ids) whose EOS is the config's
+``eos_token_id`` (``<|endoftext|>`` moved there when that id is past the demo's); the converter pads the
+ids it lacks up to ``vocab_size``. Both sides are fed token ids, so the tokenizer only has to load. The
+converter runs in this process with ``transformers`` (hybridlm's ``test`` extra) and the tree's
+``gguf-py``, reading config.json as written (not through the installed transformers' AutoConfig, whose
+defaults can change what it converts to: see `convert`). Presets need no ``architectures`` in their
+config: ``ARCHITECTURES`` names the converter's class for each family it converts.
 
 ``forward``: each round measures, per weights kind in turn (so both engines see the same minute of
 the machine), ``llama-bench -p PROMPT -n GEN`` (prompt and generation tok/s) and ``hybridlm bench
@@ -96,8 +99,29 @@ FORWARD_TARGETS = {
 SERVE_TARGET, SERVE_TARGET_CLIENTS = 1.3, 8
 AGENT_TARGET = 0.5  # hybridlm's wall ÷ llama-server's, at most
 HYBRIDLM_DECODE_STEPS = 32
-# architectures for configs written without one (hybridlm's presets), which the converter needs
-ARCHITECTURES = {"qwen3_5_text": "Qwen3_5ForCausalLM"}
+# `architectures` for configs written without one (hybridlm's presets): the class names llama.cpp's
+# converter registers (`@ModelBase.register`) for each model_type hybridlm loads that it converts
+ARCHITECTURES = {
+    "qwen3_5_text": "Qwen3_5ForCausalLM",
+    "qwen3_5": "Qwen3_5ForCausalLM",
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+    "qwen3_5_moe": "Qwen3_5MoeForCausalLM",
+    "qwen3_next": "Qwen3NextForCausalLM",
+    "nemotron_h": "NemotronHForCausalLM",
+    "lfm2": "Lfm2ForCausalLM",
+    "lfm2_moe": "Lfm2MoeForCausalLM",
+    "granitemoehybrid": "GraniteMoeHybridForCausalLM",
+    "bamba": "BambaForCausalLM",
+    "falcon_h1": "FalconH1ForCausalLM",
+    "kimi_linear": "KimiLinearForCausalLM",
+    "bailing_hybrid": "BailingMoeV3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+    "gemma4_text": "Gemma4ForCausalLM",
+    "gemma4": "Gemma4ForCausalLM",
+    "llama": "LlamaForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
 
 
 def fail(message: str) -> SystemExit:
@@ -235,8 +259,10 @@ def model_source(args) -> tuple[str, Path]:
 
 
 def synthetic_tokenizer(config: dict) -> tuple[dict, dict]:
-    """(tokenizer.json, tokenizer_config.json) for a checkpoint that ships none: hybridlm's demo BPE
-    with <|endoftext|> at the config's eos_token_id, so the GGUF's EOS is the id the model was given."""
+    """(tokenizer.json, tokenizer_config.json) for a checkpoint that ships none: hybridlm's demo BPE,
+    with the GGUF's EOS the id the model was given. An eos_token_id past the demo's ids (Qwen's
+    248044) takes <|endoftext|>, named the EOS token; one among them (Nemotron-H's 2, a byte token)
+    is left where it is and no EOS token named, so the converter reads the id from config.json."""
     tokenizer = json.loads(resources.files("hybridlm.demo").joinpath("tokenizer.json").read_text())
     eos = config.get("eos_token_id")
     eos = eos[0] if isinstance(eos, list) else eos
@@ -245,7 +271,11 @@ def synthetic_tokenizer(config: dict) -> tuple[dict, dict]:
         for token in tokenizer["added_tokens"]:
             if token["content"] == "<|endoftext|>":
                 token["id"] = eos
-    return tokenizer, {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>"}
+    end = next(t["id"] for t in tokenizer["added_tokens"] if t["content"] == "<|endoftext|>")
+    tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast"}
+    if not isinstance(eos, int) or end == eos:
+        tokenizer_config["eos_token"] = "<|endoftext|>"
+    return tokenizer, tokenizer_config
 
 
 def stage_checkpoint(source: Path, hf: Path) -> bool:
@@ -271,13 +301,36 @@ def stage_checkpoint(source: Path, hf: Path) -> bool:
     return True
 
 
+class ConfigJsonOnly:
+    """Stands in for transformers' AutoConfig in the converter (see `convert`)."""
+
+    message = "config.json as written, not AutoConfig"
+
+    @staticmethod
+    def from_pretrained(*args, **kwargs):
+        raise ValueError(ConfigJsonOnly.message)
+
+    @staticmethod
+    def filter(record: logging.LogRecord) -> bool:
+        """Drop the converter's two warnings about that fallback, which is ours."""
+        text = record.getMessage()
+        return ConfigJsonOnly.message not in text and "Trying to load config.json instead" not in text
+
+
 def convert(tree: Path, hf: Path, out: Path, synthetic: bool) -> None:
     """Run llama.cpp's convert_hf_to_gguf.py on `hf` in this process, writing a bf16 GGUF to `out`.
 
     In process so that, for the synthetic tokenizer, `TextModel.get_vocab_base_pre` can answer
     "qwen2" (the demo tokenizer's Qwen-style pre-tokenizer): it identifies pre-tokenizers by hashing
     a test string's token ids and refuses unknown ones (ours is one). TextModel lives in
-    conversion/base.py in recent trees and in convert_hf_to_gguf.py itself in older ones."""
+    conversion/base.py in recent trees and in convert_hf_to_gguf.py itself in older ones.
+
+    And so that the converter reads config.json as written: it tries transformers' AutoConfig first,
+    whose dict carries every field the installed transformers defines, defaults included, and the
+    installed one (hybridlm's, 5.x) is newer than the converter's pin (4.57 for the tree measured).
+    Its NemotronHConfig, for one, has MoE defaults (`num_experts_per_tok` ...), which turn a dense
+    Nemotron-H into `nemotron_h_moe`: a GGUF that llama.cpp then fails to load. Without AutoConfig
+    the converter takes its own fallback, config.json itself."""
     script = tree / "convert_hf_to_gguf.py"
     # hybridlm loads no multi-token-prediction head, and recent converters assert that a Qwen3.5 checkpoint
     # without `mtp_num_hidden_layers` in its config (ours) has one unless told --no-mtp.
@@ -289,6 +342,8 @@ def convert(tree: Path, hf: Path, out: Path, synthetic: bool) -> None:
     logging.basicConfig(level=logging.WARNING)
     try:
         converter = importlib.import_module("convert_hf_to_gguf")
+        converter.ModelBase.load_hparams.__globals__["AutoConfig"] = ConfigJsonOnly
+        logging.getLogger("hf-to-gguf").addFilter(ConfigJsonOnly.filter)
         if synthetic:
             text_model = (
                 getattr(converter, "TextModel", None) or importlib.import_module("conversion").TextModel
@@ -749,6 +804,8 @@ def check_llama(args, binaries: list[str]) -> None:
 
 
 def main() -> int:
+    from hybridlm.models.random import PRESETS
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
     for name, helptext in (
@@ -766,7 +823,7 @@ def main() -> int:
         model = s.add_mutually_exclusive_group()
         model.add_argument(
             "--preset",
-            choices=["qwen3.5-0.8b"],
+            choices=sorted(PRESETS),
             default="qwen3.5-0.8b",
             help="hybridlm's random checkpoint of this shape (default)",
         )

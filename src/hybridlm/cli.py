@@ -370,10 +370,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(f, (MODEL,))
     f.add_argument(
         "--preset",
-        choices=["qwen3.5-0.8b", "qwen3.5-moe-3b"],
+        choices=sorted(PRESETS),
         default=None,
         help="use a random-weight checkpoint of this published shape (written once to the cache dir; "
-        "qwen3.5-moe-3b: Qwen3.5-35B-A3B's layout scaled to 3.2 B parameters, 0.66 B read a token)",
+        "qwen3.5-moe-3b: Qwen3.5-35B-A3B's layout scaled to 3.2 B parameters, 0.66 B read a token; "
+        "nemotron-h-1b: Nemotron-H-8B's layout scaled to 0.93 B parameters)",
     )
     f.add_argument(
         "--prefill", type=int, nargs="+", default=[512, 2048], help="prefill lengths (default 512 2048)"
@@ -445,9 +446,7 @@ def build_parser() -> argparse.ArgumentParser:
         "output token when one client sends a long prompt mid-run.",
     )
     add_flags(cc, (MODEL,))
-    cc.add_argument(
-        "--preset", choices=["qwen3.5-0.8b"], default=None, help="random checkpoint of this shape"
-    )
+    cc.add_argument("--preset", choices=sorted(PRESETS), default=None, help="random checkpoint of this shape")
     add_flags(cc, (ENGINE,))
     cc.add_argument(
         "--clients", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="client counts (default 1 2 4 8 16)"
@@ -478,7 +477,7 @@ def build_parser() -> argparse.ArgumentParser:
         "turns, bytes held; once with an unbounded budget and once with a quarter of the working set.",
     )
     add_flags(m, (MODEL,))
-    m.add_argument("--preset", choices=["qwen3.5-0.8b"], default=None, help="random checkpoint of this shape")
+    m.add_argument("--preset", choices=sorted(PRESETS), default=None, help="random checkpoint of this shape")
     m.add_argument(
         "--trace",
         choices=["chat", "agents"],

@@ -1,5 +1,5 @@
-"""The random-checkpoint presets (`models.random`): each builds as its family, and the Qwen3.5-MoE
-preset has the sizes its comment and `bench forward --preset` help state."""
+"""The random-checkpoint presets (`models.random`): each builds as its family, and the Qwen3.5-MoE and
+Nemotron-H presets have the sizes their comments and `bench forward --preset` help state."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 
 from hybridlm.models.base import FAMILIES
 from hybridlm.models.moe import Experts, SparseMoE
-from hybridlm.models.random import PRESETS, QWEN3_5_MOE_3B
+from hybridlm.models.random import NEMOTRON_H_1B, PRESETS, QWEN3_5_MOE_3B
 
 
 def build(config: dict):
@@ -35,3 +35,15 @@ def test_the_qwen3_5_moe_preset_holds_3_2_b_parameters_and_a_step_reads_0_66_b()
     assert 3.1e9 < total < 3.3e9
     assert 0.63e9 < read < 0.69e9
     assert 0.38e9 < read - model.lm_head.weight.numel() < 0.44e9
+
+
+def test_the_nemotron_h_preset_holds_0_93_b_parameters_in_8b_s_layer_proportions():
+    """Total parameters and all but the embedding table (a decode step reads one row of it); the
+    layers are 8B's kinds in its proportions (24 M, 24 -, 4 * of 52), dense."""
+    model = build(NEMOTRON_H_1B)
+    kinds = [layer.kind for layer in model.model.layers]
+    assert kinds.count("linear_attention") == kinds.count("mlp") == 12
+    assert kinds.count("full_attention") == 2 and "moe" not in kinds
+    total = sum(p.numel() for p in model.parameters())
+    assert 0.90e9 < total < 0.95e9
+    assert 0.70e9 < total - model.model.embed_tokens.weight.numel() < 0.75e9

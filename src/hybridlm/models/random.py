@@ -110,11 +110,52 @@ QWEN3_5_MOE_3B = {
     "eos_token_id": 248044,
 }
 
+# Nemotron-H-8B's layout (`nemotron_h`: Mamba-2, relu² MLP and attention-without-positions blocks, one
+# a layer; untied 131072 vocabulary; Mamba-2 of 64-wide heads, 8 groups, state 128, expand 2) scaled
+# to a 2-core 24 GB machine: d 1536, 26 layers (the first half of 8B's 52-letter pattern: 12 M, 12 -,
+# 2 *, the same proportions), relu² width 8192 (8B: 5.25 d; 8192 keeps rows a multiple of 256 for
+# Q4_K), 48 Mamba heads (2 d inner), 12 attention heads of 128 sharing 4 KV heads. 0.93 B parameters
+# (1.85 GB in bf16), 0.72 B without the embedding table; tests/models/test_random.py counts.
+NEMOTRON_H_1B = {
+    "model_type": "nemotron_h",
+    "vocab_size": 131072,
+    "hidden_size": 1536,
+    "num_hidden_layers": 26,
+    "hybrid_override_pattern": "M-M-M-M*-M-M-M-M-M*-M-M-M-",
+    "intermediate_size": 8192,
+    "mlp_hidden_act": "relu2",
+    "mlp_bias": False,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "attention_bias": False,
+    "mamba_num_heads": 48,
+    "mamba_head_dim": 64,
+    "n_groups": 8,
+    "ssm_state_size": 128,
+    "conv_kernel": 4,
+    "expand": 2,
+    "chunk_size": 128,
+    "use_conv_bias": True,
+    "use_bias": False,
+    "mamba_hidden_act": "silu",
+    "time_step_min": 0.001,
+    "time_step_max": 0.1,
+    "layer_norm_epsilon": 1e-5,
+    "residual_in_fp32": False,
+    "tie_word_embeddings": False,
+    "max_position_embeddings": 8192,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+}
+
 PRESETS = {
     "qwen3.5-0.8b": QWEN3_5_0_8B,
     "lfm2-350m": LFM2_350M,
     "gemma3-270m": GEMMA3_270M,
     "qwen3.5-moe-3b": QWEN3_5_MOE_3B,
+    "nemotron-h-1b": NEMOTRON_H_1B,
 }
 
 
