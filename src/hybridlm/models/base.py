@@ -161,7 +161,6 @@ class CausalLM(nn.Module):
         return out, h if hidden == "all" else last
 
 
-@torch.no_grad()
 def renamed(name: str, renames: list[tuple[str, str]]) -> str:
     """`name` with the first of `renames`' ``(old, new)`` pairs whose ``old`` it contains applied, once."""
     for old, new in renames:
@@ -170,6 +169,7 @@ def renamed(name: str, renames: list[tuple[str, str]]) -> str:
     return name
 
 
+@torch.no_grad()
 def forward_packed(
     model: CausalLM,
     segments: list[Batch],
