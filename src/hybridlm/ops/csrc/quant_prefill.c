@@ -24,6 +24,12 @@
 static inline __m512 widen(const uint16_t* p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
+#elif defined(__AVX2__)
+#include <immintrin.h>
+/* 8 bf16 values as float32. */
+static inline __m256 widen8x(const uint16_t* p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
 #endif
 
 /* x [M, K] bf16 -> xq [M, K] int8, xs [M, K / B] float32: per row and block of B inputs xs = max|x| / 127
@@ -42,6 +48,13 @@ void hybridlm_quantize_rows(const uint16_t* x, int64_t M, int64_t K, int64_t B, 
             __m512 vpeak = _mm512_setzero_ps();
             for (; k + 16 <= B; k += 16) vpeak = _mm512_max_ps(vpeak, _mm512_abs_ps(widen(src + k)));
             peak = _mm512_reduce_max_ps(vpeak);
+#elif defined(__AVX2__)
+            const __m256 sign = _mm256_set1_ps(-0.f);
+            __m256 vpeak = _mm256_setzero_ps();
+            for (; k + 8 <= B; k += 8) vpeak = _mm256_max_ps(vpeak, _mm256_andnot_ps(sign, widen8x(src + k)));
+            __m128 half = _mm_max_ps(_mm256_castps256_ps128(vpeak), _mm256_extractf128_ps(vpeak, 1));
+            half = _mm_max_ps(half, _mm_movehl_ps(half, half));
+            peak = _mm_cvtss_f32(_mm_max_ss(half, _mm_shuffle_ps(half, half, 1)));
 #endif
             /* a compare, not fmaxf: GCC 12's aarch64 vectorizer crashes on the fmaxf reduction */
             for (; k < B; k++) {
@@ -56,6 +69,15 @@ void hybridlm_quantize_rows(const uint16_t* x, int64_t M, int64_t K, int64_t B, 
                 const __m512 r = _mm512_roundscale_ps(_mm512_div_ps(widen(src + k), vs),
                                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
                 _mm_storeu_si128((__m128i*)(dst + k), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(r)));
+            }
+#elif defined(__AVX2__)
+            const __m256 vs = _mm256_set1_ps(scale), top = _mm256_set1_ps(127.f), bottom = _mm256_set1_ps(-127.f);
+            for (; k + 8 <= B; k += 8) {
+                const __m256 r = _mm256_round_ps(_mm256_div_ps(widen8x(src + k), vs),
+                                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                const __m256i q = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, bottom), top));
+                const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+                _mm_storel_epi64((__m128i*)(dst + k), _mm_packs_epi16(w, w));
             }
 #endif
             for (; k < B; k++) dst[k] = (int8_t)fminf(fmaxf(nearbyintf(bf16_to_f32(src[k]) / scale), -127.f), 127.f);
