@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from hybridlm.ops.linear import float32_min_rows
 from hybridlm.ops.quant import QuantLinear
 from hybridlm.ops.quant_gemm import integer_prefill
 
@@ -63,12 +64,18 @@ def _tflops(dtype: torch.dtype, device: torch.device, threads: int) -> float:
         return 2 * n**3 / _best_seconds(lambda: torch._int_mm(a, b), device) / 1e12
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
-    rate = 2 * n**3 / _best_seconds(lambda: a @ b, device) / 1e12
+    float32_rate = None
     if dtype is torch.bfloat16 and device.type == "cpu":
         # bf16 operands multiply exactly in float32, and `ops.linear` takes that path where it is faster
-        a, b = a.float(), b.float()
-        rate = max(rate, 2 * n**3 / _best_seconds(lambda: a @ b, device) / 1e12)
-    return rate
+        a32, b32 = a.float(), b.float()
+        float32_rate = 2 * n**3 / _best_seconds(lambda: a32 @ b32, device) / 1e12
+        least = float32_min_rows()
+        if least is not None and least <= n:
+            # prompts never reach torch's bf16 GEMM here: on a CPU without bf16 instructions it can be
+            # torch's scalar fallback, minutes for one n³ product
+            return float32_rate
+    rate = 2 * n**3 / _best_seconds(lambda: a @ b, device) / 1e12
+    return rate if float32_rate is None else max(rate, float32_rate)
 
 
 def memory_bandwidth_gbs(device: torch.device | str = "cpu") -> float:
@@ -80,7 +87,8 @@ def memory_bandwidth_gbs(device: torch.device | str = "cpu") -> float:
 def matmul_tflops(dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu") -> float:
     """Square GEMM rate in TFLOP/s (2·n³ FLOPs, n = 2048 on CPU, 4096 on CUDA) for ``dtype`` (int8:
     the integer prefill kernels on a CPU that has them, else ``torch._int_mm``, TOP/s; bf16 on a CPU:
-    the faster of the bf16 GEMM and the float32 GEMM of the same values, as `ops.linear` chooses)."""
+    the float32 GEMM of the same values where `ops.linear` converts an n-row product to float32, else
+    the faster of that and the bf16 GEMM)."""
     return _tflops(dtype, torch.device(device), torch.get_num_threads())
 
 
