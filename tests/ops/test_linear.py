@@ -17,6 +17,7 @@ from hybridlm.ops.linear import (
     fast_path_available,
     kernel_rows,
     linear,
+    linear_grouped,
     rowwise,
 )
 from hybridlm.ops.native import NativeKernel
@@ -101,6 +102,21 @@ def test_a_row_gives_the_same_bits_whatever_rows_share_the_call(no_f_linear, isa
     together = layer(x)
     for i in range(x.shape[0]):
         assert torch.equal(layer(x[i : i + 1]), together[i : i + 1])
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", [(77, 1000), (5, 33)])
+def test_grouped_products_give_each_products_own_bits(shape, no_f_linear, isa):
+    """Several products of one shape in one call (a token's experts) equal each computed by `linear`,
+    bit for bit: 1, several and the most rows the kernel takes; each a short last row block."""
+    n, k = shape
+    ws = [torch.randn(n, k).to(torch.bfloat16) for _ in range(3)]
+    xs = [torch.randn(rows, k).to(torch.bfloat16) for rows in (1, 4, kernel_rows())]
+    ys = linear_grouped(xs, ws)
+    assert ys is not None
+    for x, w, y in zip(xs, ws, ys, strict=True):
+        assert torch.equal(y, linear(x, w))
+    assert linear_grouped([torch.randn(kernel_rows() + 1, k).to(torch.bfloat16)], ws[:1]) is None
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -28,7 +28,7 @@ from torch import nn
 from hybridlm.models.checkpoint import CheckpointError, take
 from hybridlm.models.layers import ACTIVATIONS
 from hybridlm.ops.elementwise import elementwise_rows
-from hybridlm.ops.linear import Linear, linear
+from hybridlm.ops.linear import Linear, linear, linear_grouped
 from hybridlm.ops.quant import INT4_GROUP, QuantLinear
 
 SOFTMAX, SIGMOID = "softmax", "sigmoid"
@@ -39,10 +39,12 @@ def dispatch(
     index: torch.Tensor,
     weights: torch.Tensor,
     expert: Callable[[int, torch.Tensor], torch.Tensor],
+    experts: Callable[[list[int], list[torch.Tensor]], list[torch.Tensor] | None] | None = None,
 ) -> torch.Tensor:
     """Routed experts over tokens: x [N, d], index / weights [N, k] (expert ids; routing weights,
     float32 or x's dtype: each expert's output is multiplied in that dtype), `expert(e, rows)` the
-    output [n, d] of expert e on rows [n, d] -> [N, d] in x's dtype.
+    output [n, d] of expert e on rows [n, d] -> [N, d] in x's dtype. `experts(es, rows)`, where given,
+    computes every chosen expert at once with the bits `expert` gives each (None: it does not apply).
 
     Tokens are grouped by expert and only the experts some token selected run, each once over all
     its tokens: at decode that reads exactly the k selected experts' weights, in a batched step or a
@@ -59,14 +61,16 @@ def dispatch(
     # Each expert's output is weighted in the routing weights' dtype, the k of a token summed in
     # float32 and rounded once (transformers' default grouped_mm path does the same).
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    start = 0
-    for e, n in zip(hit.tolist(), sizes.tolist(), strict=True):
-        rows = tokens[start : start + n]
-        y = expert(e, x[rows])
+    chosen, bounds = hit.tolist(), [0, *torch.cumsum(sizes, 0).tolist()]
+    rows = [tokens[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+    inputs = [x[r] for r in rows]
+    ys = experts(chosen, inputs) if experts is not None else None
+    if ys is None:
+        ys = [expert(e, xe) for e, xe in zip(chosen, inputs, strict=True)]
+    for r, y, a, b in zip(rows, ys, bounds, bounds[1:], strict=False):
         # index_put_ accumulates serially: index_add_ opens a parallel region per expert, which
         # cost milliseconds per call on a loaded 2-core machine. Either adds once per row.
-        out.index_put_((rows,), (y * w[start : start + n]).float(), accumulate=True)
-        start += n
+        out.index_put_((r,), (y * w[a:b]).float(), accumulate=True)
     return out.to(x.dtype)
 
 
@@ -85,12 +89,24 @@ class Experts(nn.Module):
         """x [N, d], index / weights [N, k] -> [N, d] (see `dispatch`). Each expert runs as one matmul
         per projection over its tokens on a view of its weights (`ops.linear.linear`, so few-token
         bf16 calls take the decode kernel)."""
-        return dispatch(x, index, weights, self.expert)
+        return dispatch(x, index, weights, self.expert, self.grouped)
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert e on rows x [n, d] -> [n, d]."""
         gate, up = linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
         return linear(elementwise_rows(self.act, gate) * up, self.down_proj[e])
+
+    def grouped(self, es: list[int], xs: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        """Experts es[i] on rows xs[i] as `expert` computes each, in two kernel calls (every gate / up
+        product, then every down product: at decode a token's k experts would otherwise wake the
+        threads 2·k times); None where the decode kernel does not take them (`linear_grouped`)."""
+        gate_up = linear_grouped(xs, [self.gate_up_proj[e] for e in es])
+        if gate_up is None:
+            return None
+        hidden = [elementwise_rows(self.act, gate) * up for gate, up in (y.chunk(2, dim=-1) for y in gate_up)]
+        down = [self.down_proj[e] for e in es]
+        ys = linear_grouped(hidden, down)
+        return ys if ys is not None else [linear(h, d) for h, d in zip(hidden, down, strict=True)]
 
 
 class QuantExperts(nn.Module):

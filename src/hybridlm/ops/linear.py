@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridlm.ops.native import FEW_TOKENS, NativeKernel, ThreadFlag
+from hybridlm.ops.native import FEW_TOKENS, NativeKernel, ThreadFlag, int64_array
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +39,7 @@ __all__ = [
     "in_row_groups",
     "kernel_rows",
     "linear",
+    "linear_grouped",
     "rowwise",
     "rowwise_applies",
 ]
@@ -61,6 +62,14 @@ KERNEL = NativeKernel(
     [_p, _i64, _p, _p, _p, _i64, _i64, ctypes.c_int],
     ctypes.c_int,
     fallback="F.linear",
+)
+GROUPED_KERNEL = NativeKernel(
+    "linear_bf16",
+    "linear.c",
+    "hybridlm_linear_bf16_grouped",
+    [_p, _p, _p, _p, _i64, _i64, _i64, ctypes.c_int],
+    ctypes.c_int,
+    fallback="one kernel call per product",
 )
 
 
@@ -138,6 +147,32 @@ def in_row_groups(x: torch.Tensor, group: int, fn, out_features: int) -> torch.T
     rows = x.reshape(-1, x.shape[-1])
     out = torch.cat([fn(rows[i : i + group]) for i in range(0, rows.shape[0], group)])
     return out.reshape(*x.shape[:-1], out_features)
+
+
+def linear_grouped(xs: list[torch.Tensor], weights: list[torch.Tensor]) -> list[torch.Tensor] | None:
+    """``[linear(x, w) for x, w in zip(xs, weights)]`` without bias, every weight [out, in] of one shape,
+    in one kernel call (one parallel region instead of one per product: a token's routed experts),
+    each result with the bits `linear` gives it; None where the kernel would not take every product
+    (callers then run them one by one)."""
+    fn = GROUPED_KERNEL.get()
+    n, k = weights[0].shape
+    if fn is None or not all(
+        w.shape == (n, k) and _kernel_applies(x, w, None) for x, w in zip(xs, weights, strict=True)
+    ):
+        return None
+    xs = [x if x.is_contiguous() else x.contiguous() for x in xs]
+    ys = [torch.empty((*x.shape[:-1], n), dtype=torch.bfloat16) for x in xs]
+    fn(
+        int64_array([x.data_ptr() for x in xs]),
+        int64_array([x.numel() // k for x in xs]),
+        int64_array([w.data_ptr() for w in weights]),
+        int64_array([y.data_ptr() for y in ys]),
+        len(xs),
+        n,
+        k,
+        torch.get_num_threads(),
+    )
+    return ys
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

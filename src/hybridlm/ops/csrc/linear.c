@@ -140,6 +140,37 @@ static void tile_any(const float* xf, int64_t K, int mc, const uint16_t* w, int 
 #define X_AS_F32 1
 #endif
 
+/* x [M, K] bf16 -> xf [M, K] float32, each BLK-block's even then odd elements (the tiles' order). */
+static void to_f32(const uint16_t* x, int64_t M, int64_t K, float* xf) {
+    const int64_t KB = K / BLK * BLK, half = BLK / 2;
+    for (int64_t m = 0; m < M; m++) {
+        const uint16_t* src = x + m * K;
+        float* dst = xf + m * K;
+        for (int64_t k = 0; k < KB; k += BLK)
+            for (int i = 0; i < half; i++) {
+                dst[k + i] = bf16_to_f32(src[k + 2 * i]);
+                dst[k + half + i] = bf16_to_f32(src[k + 2 * i + 1]);
+            }
+        for (int64_t k = KB; k < K; k++) dst[k] = bf16_to_f32(src[k]);
+    }
+}
+
+/* Weight rows [n0, n0 + RB) of one product: every input row against them, then bias and rounding. */
+static void row_block(const uint16_t* x, const float* xf, int64_t M, const uint16_t* w, const uint16_t* bias,
+                      uint16_t* y, int64_t N, int64_t K, int64_t n0) {
+    (void)x; (void)xf;  /* each tile reads one of them: bf16 x (vdpbf16ps) or its float32 copy */
+    const int rb = N - n0 < RB ? (int)(N - n0) : RB;
+    for (int64_t m0 = 0; m0 < M; m0 += MC) {
+        const int mc = M - m0 < MC ? (int)(M - m0) : MC;
+        float out[RB][MC];
+        TILE_ANY(x + m0 * K, xf ? xf + m0 * K : NULL, K, mc, w + n0 * K, rb, out);
+        for (int r = 0; r < rb; r++) {
+            const float bv = bias ? bf16_to_f32(bias[n0 + r]) : 0.f;
+            for (int c = 0; c < mc; c++) y[(m0 + c) * N + n0 + r] = f32_to_bf16(out[r][c] + bv);
+        }
+    }
+}
+
 /* x [M, K], w [N, K], bias [N] or NULL, y [M, N]; all bf16 and contiguous; M up to FEW_TOKENS (17)
    rows, more are accepted but the tiles are sized for decode and verify. Returns 0 or -1
    (out of memory). */
@@ -149,33 +180,38 @@ int hybridlm_linear_bf16(const uint16_t* x, int64_t M, const uint16_t* w, const 
     if (X_AS_F32) {
         xf = malloc((size_t)(M * K) * sizeof(float));
         if (!xf) return -1;
-        const int64_t KB = K / BLK * BLK, half = BLK / 2;
-        for (int64_t m = 0; m < M; m++) {
-            const uint16_t* src = x + m * K;
-            float* dst = xf + m * K;
-            for (int64_t k = 0; k < KB; k += BLK)
-                for (int i = 0; i < half; i++) {
-                    dst[k + i] = bf16_to_f32(src[k + 2 * i]);
-                    dst[k + half + i] = bf16_to_f32(src[k + 2 * i + 1]);
-                }
-            for (int64_t k = KB; k < K; k++) dst[k] = bf16_to_f32(src[k]);
-        }
+        to_f32(x, M, K, xf);
     }
     const int64_t nblocks = (N + RB - 1) / RB;
     /* Below ~128 KiB of weights a second thread costs more to wake than it saves. */
     #pragma omp parallel for schedule(static) num_threads(nthreads) if (N * K >= 65536)
-    for (int64_t b = 0; b < nblocks; b++) {
-        const int64_t n0 = b * RB;
-        const int rb = N - n0 < RB ? (int)(N - n0) : RB;
-        for (int64_t m0 = 0; m0 < M; m0 += MC) {
-            const int mc = M - m0 < MC ? (int)(M - m0) : MC;
-            float out[RB][MC];
-            TILE_ANY(x + m0 * K, xf ? xf + m0 * K : NULL, K, mc, w + n0 * K, rb, out);
-            for (int r = 0; r < rb; r++) {
-                const float bv = bias ? bf16_to_f32(bias[n0 + r]) : 0.f;
-                for (int c = 0; c < mc; c++) y[(m0 + c) * N + n0 + r] = f32_to_bf16(out[r][c] + bv);
-            }
-        }
+    for (int64_t b = 0; b < nblocks; b++) row_block(x, xf, M, w, bias, y, N, K, b * RB);
+    free(xf);
+    return 0;
+}
+
+/* G independent products of one shape in one parallel region (a token's routed experts: their
+   small matrices each cost a region's wake-up and barrier more than their reads): for g < G,
+   y_g [M_g, N] = x_g [M_g, K] · w_gᵀ, no bias, every row block computed as hybridlm_linear_bf16
+   computes it, so each y_g has its bits. xs, ws, ys: G pointers each; ms: G row counts.
+   Returns 0 or -1 (out of memory). */
+int hybridlm_linear_bf16_grouped(const uint16_t* const* xs, const int64_t* ms, const uint16_t* const* ws,
+                                 uint16_t* const* ys, int64_t G, int64_t N, int64_t K, int nthreads) {
+    int64_t rows = 0;
+    for (int64_t g = 0; g < G; g++) rows += ms[g];
+    float* xf = NULL;
+    if (X_AS_F32) {
+        xf = malloc((size_t)(rows * K) * sizeof(float));
+        if (!xf) return -1;
+        for (int64_t g = 0, at = 0; g < G; at += ms[g] * K, g++) to_f32(xs[g], ms[g], K, xf + at);
+    }
+    const int64_t nblocks = (N + RB - 1) / RB;
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (G * N * K >= 65536)
+    for (int64_t i = 0; i < G * nblocks; i++) {
+        const int64_t g = i / nblocks;
+        int64_t at = 0;
+        for (int64_t h = 0; h < g; h++) at += ms[h] * K;
+        row_block(xs[g], xf ? xf + at : NULL, ms[g], ws[g], NULL, ys[g], N, K, i % nblocks * RB);
     }
     free(xf);
     return 0;
