@@ -15,6 +15,10 @@
    same order whatever rows share a tile, so a row's result never depends on the rows beside it. */
 #include "bf16.h"
 #include <float.h>
+/* Activation passes (quantizing, reordering, block sums) go parallel from this many elements: a decode
+   row's pass takes a microsecond, less than waking the team (an int4 MoE decode step spent 13 % of its
+   time in the one-row quantization's parallel region). */
+#define ROWS_PARALLEL 65536
 #include <math.h>
 #include <stdlib.h>
 #ifdef __AVX512F__
@@ -37,7 +41,7 @@ static inline __m256 widen8x(const uint16_t* p) {
    quant_gemm.quantize_activations computes it in torch. */
 void hybridlm_quantize_rows(const uint16_t* x, int64_t M, int64_t K, int64_t B, int8_t* xq, float* xs,
                             int nthreads) {
-    #pragma omp parallel for schedule(static) num_threads(nthreads)
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (M * K >= ROWS_PARALLEL)
     for (int64_t m = 0; m < M; m++)
         for (int64_t b0 = 0; b0 < K; b0 += B) {
             const uint16_t* src = x + m * K + b0;
@@ -91,7 +95,7 @@ void hybridlm_quantize_rows(const uint16_t* x, int64_t M, int64_t K, int64_t B, 
 static __attribute__((unused)) void reorder_activations(const int8_t* xq, int64_t M, int64_t K, int64_t G,
                                                         int8_t* xr, int32_t* xsum, int nthreads) {
     const int64_t groups = K / G;
-    #pragma omp parallel for schedule(static) num_threads(nthreads)
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (M * K >= ROWS_PARALLEL)
     for (int64_t m = 0; m < M; m++) {
         const int8_t* src = xq + m * K;
         int8_t* dst = xr + m * K;
@@ -225,7 +229,7 @@ int hybridlm_prefill_int8(const int8_t* xq, const float* xs, int64_t M, const in
     int32_t* xsum = malloc((size_t)(M * blocks) * sizeof(int32_t));
     uint32_t* packed = aligned_alloc(64, (size_t)(nthreads * K / 4 * 16) * sizeof(uint32_t));
     if (!xsum || !packed) { free(xsum); free(packed); return -1; }
-    #pragma omp parallel for schedule(static) num_threads(nthreads)
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (M * K >= ROWS_PARALLEL)
     for (int64_t i = 0; i < M * blocks; i++) {
         int32_t t = 0;
         for (int64_t k = i * B; k < (i + 1) * B; k++) t += xq[k];  /* row i / blocks, block i % blocks */
