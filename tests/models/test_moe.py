@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -31,7 +32,7 @@ from hybridlm.models.moe import (
 )
 from hybridlm.ops.linear import rowwise
 from hybridlm.ops.native import FEW_TOKENS
-from hybridlm.ops.quant_gemm import ACT_BLOCK, integer_prefill, quantize_activations
+from hybridlm.ops.quant_gemm import ACT_BLOCK, integer_prefill, prompt_rows, quantize_activations
 
 
 def brute_force_route(
@@ -240,14 +241,18 @@ def test_a_step_reads_only_the_chosen_experts_each_once(quantized):
     x = torch.randn(8, 64, generator=gen).bfloat16()
     weights, index = softmax_topk(torch.randn(8, 8, generator=gen), 2)
     index[:, 0], index[:, 1] = 2, torch.tensor([5, 5, 6, 6, 5, 6, 5, 6])  # experts 2, 5, 6 only
-    experts.requires_grad_(False)  # as in a loaded model: bf16 experts then run grouped (`Experts.grouped`)
+    experts.requires_grad_(False)  # as in a loaded model: the experts may then run grouped
     want = experts(x, index, weights)
     calls = []
-    expert = experts.expert
+    expert, grouped = experts.expert, experts.grouped
     experts.expert = lambda e, rows: calls.append(e) or expert(e, rows)
-    if not quantized:
-        grouped = experts.grouped
-        experts.grouped = lambda es, rows: calls.extend(es) or grouped(es, rows)
+
+    def counted(es, rows):
+        ys = grouped(es, rows)
+        calls.extend(es if ys is not None else [])
+        return ys
+
+    experts.grouped = counted
     with torch.no_grad():
         for e in (0, 1, 3, 4, 7):
             if quantized:
@@ -260,20 +265,28 @@ def test_a_step_reads_only_the_chosen_experts_each_once(quantized):
     assert torch.equal(got, want) and sorted(calls) == [2, 5, 6]
 
 
+@pytest.mark.parametrize("scheme", ["bf16", "int4"])
 @pytest.mark.parametrize("tokens", [1, 8])  # a decode step, a batched step's rows
-def test_grouped_experts_give_each_experts_own_bits(tokens):
-    """bf16 experts computed in two grouped kernel calls equal each expert run on its own, bit for bit."""
-    experts = random_experts(8, 64, 48, seed=8).bfloat16().requires_grad_(False)
+def test_grouped_experts_give_each_experts_own_bits(scheme, tokens):
+    """Experts computed in two grouped kernel calls (bf16; int4 on the integer path, here as prompt
+    rows) equal each expert run on its own, bit for bit."""
+    experts = random_experts(8, 64, 64, seed=8).bfloat16().requires_grad_(False)
+    rows_kind = nullcontext()
+    if scheme == "int4":
+        if not integer_prefill():
+            pytest.skip("no integer kernels on this CPU")
+        experts, rows_kind = QuantExperts.from_experts(experts, "int4"), prompt_rows()
     gen = torch.Generator().manual_seed(tokens)
     x = torch.randn(tokens, 64, generator=gen).bfloat16()
     weights, index = softmax_topk(torch.randn(tokens, 8, generator=gen), 3)
-    got = experts(x, index, weights)
-    chosen, rows = [1, 4, 6], [x, x[:1], x]
-    ys = experts.grouped(chosen, rows)
-    assert ys is not None, "the grouped kernel did not take bf16 experts"
-    assert all(torch.equal(y, experts.expert(e, r)) for y, e, r in zip(ys, chosen, rows, strict=True))
-    experts.grouped = lambda es, rows: None  # one expert at a time
-    assert torch.equal(got, experts(x, index, weights))
+    with rows_kind:
+        got = experts(x, index, weights)
+        chosen, rows = [1, 4, 6], [x, x[:1], x]
+        ys = experts.grouped(chosen, rows)
+        assert ys is not None, "the grouped kernels did not take the experts"
+        assert all(torch.equal(y, experts.expert(e, r)) for y, e, r in zip(ys, chosen, rows, strict=True))
+        experts.grouped = lambda es, rows: None  # one expert at a time
+        assert torch.equal(got, experts(x, index, weights))
 
 
 @pytest.mark.parametrize("quantized", [False, True])

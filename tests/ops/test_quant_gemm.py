@@ -8,7 +8,7 @@ from torch import nn
 from hybridlm.ops import quant_gemm
 from hybridlm.ops.native import FEW_TOKENS
 from hybridlm.ops.quant import QuantLinear, from_panels, unpack_int4
-from hybridlm.ops.quant_gemm import int4_prefill, int8_prefill, quantize_activations
+from hybridlm.ops.quant_gemm import int4_prefill, int4_prefill_grouped, int8_prefill, quantize_activations
 
 needs_integer = pytest.mark.skipif(
     not quant_gemm.integer_prefill(), reason="integer prefill needs AVX-512 VNNI or AVX2"
@@ -117,6 +117,20 @@ def test_int4_prefill_equals_a_float64_reference_of_the_quantized_math(n, fp16, 
     # one bf16 rounding of the result plus float32 rounding of each group's term and running sum
     tolerance = ref.abs() * 2.0**-8 + magnitude * 2.0**-21
     assert ((y - ref).abs() <= tolerance).all()
+
+
+@pytest.mark.parametrize("n, fp16", [(48, False), (37, True)])
+def test_grouped_int4_products_give_each_products_own_bits(n, fp16, integer_isa):
+    """Several int4 products of one shape in one call (a token's experts) equal each computed alone."""
+    layers = [_layer(128, n, "int4", bias=False, seed=s) for s in range(3)]
+    if fp16:
+        for layer in layers:
+            layer.scales = layer.scales.to(torch.float16)
+    xs = [_x(rows, 128, seed=rows) for rows in (1, 4, 9)]
+    group = layers[0].group_size
+    ys = int4_prefill_grouped(xs, [q.qweight for q in layers], [q.scales for q in layers], group)
+    for x, layer, y in zip(xs, layers, ys, strict=True):
+        assert torch.equal(y, int4_prefill(x, layer.qweight, layer.scales, layer.group_size, None))
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])

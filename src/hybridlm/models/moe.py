@@ -29,7 +29,7 @@ from hybridlm.models.checkpoint import CheckpointError, take
 from hybridlm.models.layers import ACTIVATIONS
 from hybridlm.ops.elementwise import elementwise_rows
 from hybridlm.ops.linear import Linear, linear, linear_grouped
-from hybridlm.ops.quant import INT4_GROUP, QuantLinear
+from hybridlm.ops.quant import INT4_GROUP, QuantLinear, grouped_int4
 
 SOFTMAX, SIGMOID = "softmax", "sigmoid"
 
@@ -141,12 +141,23 @@ class QuantExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [N, d], index / weights [N, k] -> [N, d] (see `dispatch`)."""
-        return dispatch(x, index, weights, self.expert)
+        return dispatch(x, index, weights, self.expert, self.grouped)
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert e on rows x [n, d] -> [n, d]."""
         gate, up = self.gate_up_proj[e](x).chunk(2, dim=-1)
         return self.down_proj[e](elementwise_rows(self.act, gate) * up)
+
+    def grouped(self, es: list[int], xs: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        """Experts es[i] on rows xs[i] as `expert` computes each, in two kernel calls where they are int4
+        layers on the integer path (`ops.quant.grouped_int4`); None otherwise."""
+        gate_up = grouped_int4([self.gate_up_proj[e] for e in es], xs)
+        if gate_up is None:
+            return None
+        hidden = [elementwise_rows(self.act, gate) * up for gate, up in (y.chunk(2, dim=-1) for y in gate_up)]
+        down = [self.down_proj[e] for e in es]
+        ys = grouped_int4(down, hidden)
+        return ys if ys is not None else [layer(h) for layer, h in zip(down, hidden, strict=True)]
 
 
 def softmax_topk(

@@ -34,6 +34,7 @@ from hybridlm.ops.linear import in_row_groups, rowwise_applies
 from hybridlm.ops.native import FEW_TOKENS, NativeKernel
 from hybridlm.ops.quant_gemm import (
     int4_prefill,
+    int4_prefill_grouped,
     int8_prefill,
     integer_int4_decode,
     prefill_applies,
@@ -41,7 +42,8 @@ from hybridlm.ops.quant_gemm import (
 )
 
 __all__ = [
-    "QUANTIZATIONS", "QuantLinear", "from_panels", "pack_int4", "quantize_", "to_panels", "unpack_int4",
+    "QUANTIZATIONS", "QuantLinear", "from_panels", "grouped_int4", "pack_int4", "quantize_", "to_panels",
+    "unpack_int4",
 ]
 
 QUANTIZATIONS = ("int8", "int4")
@@ -377,3 +379,20 @@ def quantize_(
             if isinstance(sub, nn.Linear) and f"{path}.{attr}".lstrip(".") not in skip:
                 setattr(child, attr, convert(sub))
     return module
+
+
+def grouped_int4(layers: list[QuantLinear], xs: list[torch.Tensor]) -> list[torch.Tensor] | None:
+    """``[layer(x) for layer, x in zip(layers, xs)]`` in one kernel call where every layer is int4 of
+    one shape without bias and every x [M, in] takes the integer path (`QuantLinear.forward`: prompt
+    rows, or int4 decode rows on a CPU whose integer kernel is the faster): the same bits; else None
+    (callers run them one by one)."""
+    first = layers[0]
+    if not all(
+        layer.bits == 4 and layer.bias is None and layer.qweight.shape == first.qweight.shape
+        and layer.group_size == first.group_size and layer.scales.dtype is first.scales.dtype
+        and x.dim() == 2 and (prompt_rows_on() or layer._decodes_in_integers()) and layer._integer_applies(x)
+        for layer, x in zip(layers, xs, strict=True)
+    ):
+        return None
+    return int4_prefill_grouped([x.contiguous() for x in xs], [layer.qweight for layer in layers],
+                                [layer.scales for layer in layers], first.group_size)

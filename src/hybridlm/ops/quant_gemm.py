@@ -31,11 +31,11 @@ from contextlib import AbstractContextManager
 
 import torch
 
-from hybridlm.ops.native import NativeKernel, ThreadFlag
+from hybridlm.ops.native import NativeKernel, ThreadFlag, int64_array
 
 __all__ = [
-    "int4_prefill", "int8_prefill", "prefill_applies", "prompt_rows", "prompt_rows_on",
-    "integer_int4_decode", "integer_prefill", "quantize_activations",
+    "int4_prefill", "int4_prefill_grouped", "int8_prefill", "prefill_applies", "prompt_rows",
+    "prompt_rows_on", "integer_int4_decode", "integer_prefill", "quantize_activations",
 ]
 
 # Inputs per activation scale against int8 weights. Measured on the random Qwen3.5-0.8B preset (512
@@ -49,6 +49,11 @@ INT4_PREFILL = NativeKernel(
     "quant_prefill", "quant_prefill.c", "hybridlm_prefill_int4",
     [_p, _p, _i64, _p, _p, _int, _p, _p, _i64, _i64, _i64, _int], _int,
     fallback="dequantized bf16 prefill",
+)
+INT4_GROUPED = NativeKernel(
+    "quant_prefill", "quant_prefill.c", "hybridlm_prefill_int4_grouped",
+    [_p, _p, _p, _p, _p, _int, _p, _i64, _i64, _i64, _i64, _int], _int,
+    fallback="one int4 product at a time",
 )
 QUANTIZE_ROWS = NativeKernel(
     "quant_prefill", "quant_prefill.c", "hybridlm_quantize_rows", [_p, _i64, _i64, _i64, _p, _p, _int], None,
@@ -174,3 +179,22 @@ def int4_prefill(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, g
     fn(xq.data_ptr(), xs.data_ptr(), m, qweight.data_ptr(), scales.data_ptr(), fp16, bias_ptr, y.data_ptr(),
        n, k, group_size, torch.get_num_threads())
     return y
+
+
+def int4_prefill_grouped(xs: list[torch.Tensor], qweights: list[torch.Tensor], scales: list[torch.Tensor],
+                         group_size: int) -> list[torch.Tensor] | None:
+    """``[int4_prefill(x, q, s, group_size, None) ...]`` over products of one shape (every qweight
+    [N, K / 2], every scales of one dtype) in one kernel call, each result with the bits `int4_prefill`
+    gives it; None when the kernel is not built."""
+    fn = INT4_GROUPED.get()
+    if fn is None:
+        return None
+    quantized = [_quantized(x, group_size) for x in xs]
+    n, k = qweights[0].shape[0], xs[0].shape[1]
+    ys = [torch.empty(x.shape[0], n, dtype=torch.bfloat16) for x in xs]
+    fn(int64_array([xq.data_ptr() for xq, _ in quantized]),
+       int64_array([sc.data_ptr() for _, sc in quantized]), int64_array([x.shape[0] for x in xs]),
+       int64_array([q.data_ptr() for q in qweights]),
+       int64_array([s.data_ptr() for s in scales]), int(scales[0].dtype is torch.float16),
+       int64_array([y.data_ptr() for y in ys]), len(xs), n, k, group_size, torch.get_num_threads())
+    return ys

@@ -273,6 +273,17 @@ int hybridlm_prefill_int8(const int8_t* xq, const float* xs, int64_t M, const in
     return 0;
 }
 
+/* See the AVX2 hybridlm_prefill_int4_grouped; here one product after another (int4 decode rows keep
+   quant.c's float tiles on AVX-512, so only prompt chunks get here). */
+int hybridlm_prefill_int4_grouped(const int8_t* const* xqs, const float* const* xss, const int64_t* ms,
+                                  const uint8_t* const* qs, const uint16_t* const* scaless, int fp16,
+                                  uint16_t* const* ys, int64_t P, int64_t N, int64_t K, int64_t G, int nthreads) {
+    for (int64_t p = 0; p < P; p++)
+        if (hybridlm_prefill_int4(xqs[p], xss[p], ms[p], qs[p], scaless[p], fp16, NULL, ys[p], N, K, G, nthreads))
+            return -1;
+    return 0;
+}
+
 int64_t hybridlm_prefill_available(void) { return 1; }
 /* AVX-512: int4 decode rows keep quant.c's float tiles (16-wide, measured there). */
 int64_t hybridlm_prefill_int4_decode(void) { return 0; }
@@ -341,42 +352,77 @@ static inline __attribute__((always_inline)) void tile(const int8_t* xr, const i
     }
 }
 
+/* Half panel hp (8 weight rows) of one int4 product against its M input rows (xr, xsum: the rows'
+   reordered activations and group sums). */
+static void int4_half_panel(const int8_t* xr, const int32_t* xsum, const float* xs, int64_t M, const uint8_t* q,
+                            const uint16_t* scales, int fp16, const uint16_t* bias, uint16_t* y, int64_t N,
+                            int64_t K, int64_t G, int64_t hp) {
+    const int64_t groups = K / G;
+    const int64_t n0 = hp / 2 * 16, pw = N - n0 < 16 ? N - n0 : 16, h = hp % 2;
+    const int64_t width = pw - 8 * h;
+    if (width <= 0) return;
+    const uint32_t* w = (const uint32_t*)(q + n0 * (K / 2)) + 8 * h;
+    const uint16_t* s = scales + n0 * groups + 8 * h;
+    const __m256 bv = bias ? widen8(bias + n0 + 8 * h, width, 0) : _mm256_setzero_ps();
+    for (int64_t m0 = 0; m0 < M; m0 += MT) {
+        const int mt = M - m0 < MT ? (int)(M - m0) : MT;
+        __m256 acc[MT];
+        const int8_t* xm = xr + m0 * K;
+        const int32_t* sm = xsum + m0 * groups;
+        const float* fm = xs + m0 * groups;
+        /* a constant row count per call site, so the tile's loops unroll into registers (with a
+           variable count the sums live on the stack: decode's one row ran 4x slower) */
+#define TILE(rows) tile(xm, sm, fm, K, G, rows, w, pw, s, pw, fp16, width, acc)
+        switch (mt) { case 1: TILE(1); break; case 2: TILE(2); break; case 3: TILE(3); break;
+                      case 4: TILE(4); break; case 5: TILE(5); break; default: TILE(MT); }
+#undef TILE
+        for (int c = 0; c < mt; c++)
+            store_bf16(y + (m0 + c) * N + n0 + 8 * h, _mm256_add_ps(acc[c], bv), width < 8 ? width : 8);
+    }
+}
+
 /* See the AVX-512 hybridlm_prefill_int4. */
 int hybridlm_prefill_int4(const int8_t* xq, const float* xs, int64_t M, const uint8_t* q, const uint16_t* scales,
                           int fp16, const uint16_t* bias, uint16_t* y, int64_t N, int64_t K, int64_t G,
                           int nthreads) {
-    const int64_t groups = K / G;
     int8_t* xr = malloc((size_t)(M * K));
-    int32_t* xsum = malloc((size_t)(M * groups) * sizeof(int32_t));
+    int32_t* xsum = malloc((size_t)(M * (K / G)) * sizeof(int32_t));
     if (!xr || !xsum) { free(xr); free(xsum); return -1; }
     reorder_activations(xq, M, K, G, xr, xsum, nthreads);
     const int64_t halves = (N + 7) / 8;
     #pragma omp parallel for schedule(static) num_threads(nthreads)
-    for (int64_t hp = 0; hp < halves; hp++) {
-        const int64_t n0 = hp / 2 * 16, pw = N - n0 < 16 ? N - n0 : 16, h = hp % 2;
-        const int64_t width = pw - 8 * h;
-        if (width <= 0) continue;
-        const uint32_t* w = (const uint32_t*)(q + n0 * (K / 2)) + 8 * h;
-        const uint16_t* s = scales + n0 * groups + 8 * h;
-        const __m256 bv = bias ? widen8(bias + n0 + 8 * h, width, 0) : _mm256_setzero_ps();
-        for (int64_t m0 = 0; m0 < M; m0 += MT) {
-            const int mt = M - m0 < MT ? (int)(M - m0) : MT;
-            __m256 acc[MT];
-            const int8_t* xm = xr + m0 * K;
-            const int32_t* sm = xsum + m0 * groups;
-            const float* fm = xs + m0 * groups;
-            /* a constant row count per call site, so the tile's loops unroll into registers (with a
-               variable count the sums live on the stack: decode's one row ran 4x slower) */
-#define TILE(rows) tile(xm, sm, fm, K, G, rows, w, pw, s, pw, fp16, width, acc)
-            switch (mt) { case 1: TILE(1); break; case 2: TILE(2); break; case 3: TILE(3); break;
-                          case 4: TILE(4); break; case 5: TILE(5); break; default: TILE(MT); }
-#undef TILE
-            for (int c = 0; c < mt; c++)
-                store_bf16(y + (m0 + c) * N + n0 + 8 * h, _mm256_add_ps(acc[c], bv), width < 8 ? width : 8);
-        }
+    for (int64_t hp = 0; hp < halves; hp++) int4_half_panel(xr, xsum, xs, M, q, scales, fp16, bias, y, N, K, G, hp);
+    free(xr);
+    free(xsum);
+    return 0;
+}
+
+/* P int4 products of one shape in one parallel region (a token's routed experts: each small product's
+   own region cost more than its reads): for p < P, ys[p] [ms[p], N] = what hybridlm_prefill_int4
+   computes for xqs[p], xss[p], ms[p], qs[p], scaless[p], no bias; the same bits. */
+int hybridlm_prefill_int4_grouped(const int8_t* const* xqs, const float* const* xss, const int64_t* ms,
+                                  const uint8_t* const* qs, const uint16_t* const* scaless, int fp16,
+                                  uint16_t* const* ys, int64_t P, int64_t N, int64_t K, int64_t G, int nthreads) {
+    const int64_t groups = K / G, halves = (N + 7) / 8;
+    int64_t rows = 0;
+    for (int64_t p = 0; p < P; p++) rows += ms[p];
+    int8_t* xr = malloc((size_t)(rows * K));
+    int32_t* xsum = malloc((size_t)(rows * groups) * sizeof(int32_t));
+    int64_t* first = malloc((size_t)P * sizeof(int64_t));
+    if (!xr || !xsum || !first) { free(xr); free(xsum); free(first); return -1; }
+    for (int64_t p = 0, at = 0; p < P; at += ms[p], p++) {
+        first[p] = at;
+        reorder_activations(xqs[p], ms[p], K, G, xr + at * K, xsum + at * groups, nthreads);
+    }
+    #pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t i = 0; i < P * halves; i++) {
+        const int64_t p = i / halves;
+        int4_half_panel(xr + first[p] * K, xsum + first[p] * groups, xss[p], ms[p], qs[p], scaless[p], fp16, NULL,
+                        ys[p], N, K, G, i % halves);
     }
     free(xr);
     free(xsum);
+    free(first);
     return 0;
 }
 
@@ -529,6 +575,14 @@ int hybridlm_prefill_int4(const int8_t* xq, const float* xs, int64_t M, const ui
 int hybridlm_prefill_int8(const int8_t* xq, const float* xs, int64_t M, const int8_t* q, const float* ws,
                           const uint16_t* bias, uint16_t* y, int64_t N, int64_t K, int64_t B, int nthreads) {
     (void)xq; (void)xs; (void)M; (void)q; (void)ws; (void)bias; (void)y; (void)N; (void)K; (void)B; (void)nthreads;
+    return -1;
+}
+
+int hybridlm_prefill_int4_grouped(const int8_t* const* xqs, const float* const* xss, const int64_t* ms,
+                                  const uint8_t* const* qs, const uint16_t* const* scaless, int fp16,
+                                  uint16_t* const* ys, int64_t P, int64_t N, int64_t K, int64_t G, int nthreads) {
+    (void)xqs; (void)xss; (void)ms; (void)qs; (void)scaless; (void)fp16; (void)ys; (void)P; (void)N; (void)K;
+    (void)G; (void)nthreads;
     return -1;
 }
 
