@@ -74,6 +74,19 @@ def dispatch(
     return out.to(x.dtype)
 
 
+def grouped_experts(act, gate_up: list, down: list, xs: list[torch.Tensor], products, product) -> list | None:
+    """Gated experts i on rows xs[i] (`gate_up[i]` [2·I, d] gate rows first, `down[i]` [d, I]) with
+    every gate / up product in one call, then every down product: `products(weights, inputs)` computes
+    them at once (None where it does not apply), `product(weight, rows)` one. None where the first call
+    does not apply (callers run the experts one by one)."""
+    first = products(gate_up, xs)
+    if first is None:
+        return None
+    hidden = [elementwise_rows(act, gate) * up for gate, up in (y.chunk(2, dim=-1) for y in first)]
+    ys = products(down, hidden)
+    return ys if ys is not None else [product(w, h) for w, h in zip(down, hidden, strict=True)]
+
+
 class Experts(nn.Module):
     """The routed experts, stored as transformers holds them: `gate_up_proj` [E, 2·I, d] (gate rows
     first) and `down_proj` [E, d, I]."""
@@ -100,13 +113,10 @@ class Experts(nn.Module):
         """Experts es[i] on rows xs[i] as `expert` computes each, in two kernel calls (every gate / up
         product, then every down product: at decode a token's k experts would otherwise wake the
         threads 2·k times); None where the decode kernel does not take them (`linear_grouped`)."""
-        gate_up = linear_grouped(xs, [self.gate_up_proj[e] for e in es])
-        if gate_up is None:
-            return None
-        hidden = [elementwise_rows(self.act, gate) * up for gate, up in (y.chunk(2, dim=-1) for y in gate_up)]
-        down = [self.down_proj[e] for e in es]
-        ys = linear_grouped(hidden, down)
-        return ys if ys is not None else [linear(h, d) for h, d in zip(hidden, down, strict=True)]
+        return grouped_experts(
+            self.act, [self.gate_up_proj[e] for e in es], [self.down_proj[e] for e in es], xs,
+            lambda ws, rows: linear_grouped(rows, ws), lambda w, rows: linear(rows, w),
+        )
 
 
 class QuantExperts(nn.Module):
@@ -151,13 +161,10 @@ class QuantExperts(nn.Module):
     def grouped(self, es: list[int], xs: list[torch.Tensor]) -> list[torch.Tensor] | None:
         """Experts es[i] on rows xs[i] as `expert` computes each, in two kernel calls where they are int4
         layers on the integer path (`ops.quant.grouped_int4`); None otherwise."""
-        gate_up = grouped_int4([self.gate_up_proj[e] for e in es], xs)
-        if gate_up is None:
-            return None
-        hidden = [elementwise_rows(self.act, gate) * up for gate, up in (y.chunk(2, dim=-1) for y in gate_up)]
-        down = [self.down_proj[e] for e in es]
-        ys = grouped_int4(down, hidden)
-        return ys if ys is not None else [layer(h) for layer, h in zip(down, hidden, strict=True)]
+        return grouped_experts(
+            self.act, [self.gate_up_proj[e] for e in es], [self.down_proj[e] for e in es], xs,
+            grouped_int4, lambda layer, rows: layer(rows),
+        )
 
 
 def softmax_topk(
