@@ -273,7 +273,7 @@ def test_speculative_sampling_keeps_the_targets_distribution(pairs, temperature,
     first = target(run)
     second = torch.stack([target(run + [t]) for t in range(vocab)])  # [V, V]: row = first token
     counts = torch.zeros(vocab, vocab)
-    for _ in range(1200):
+    for _ in range(700):
         draft = drafter.propose(run, 2, policy)
         out = verify_and_commit(model, caches, run[-1], draft, len(prompt), policy).tokens
         if len(out) == 1:  # the first draft was rejected: the second token is the target's own
