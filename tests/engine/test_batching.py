@@ -154,7 +154,7 @@ def test_cancelling_one_request_leaves_the_others_exact(model, jobs, solo):
 def test_a_failing_forward_fails_only_its_requests(model, jobs, solo, monkeypatch):
     """A request whose prefill raises finishes with an error; the others running beside it are exact."""
     with Engine(model.lm, model.tokenizer, max_running=8, prefill_chunk=8) as engine:
-        real = engine._prefill
+        real = engine.step._prefill
         bad = jobs[2][0]
 
         def flaky(running):
@@ -162,7 +162,7 @@ def test_a_failing_forward_fails_only_its_requests(model, jobs, solo, monkeypatc
                 raise RuntimeError("boom")
             return real(running)
 
-        monkeypatch.setattr(engine, "_prefill", flaky)
+        monkeypatch.setattr(engine.step, "_prefill", flaky)
         results = run_together(engine, jobs[:4])
     assert results[2].finish_reason == "error" and "boom" in results[2].error
     assert [r.token_ids for i, r in enumerate(results) if i != 2] == [solo[0], solo[1], solo[3]]
@@ -172,8 +172,8 @@ def test_admission_is_bounded_by_memory(model, jobs, solo):
     """With room for one sequence's caches only, requests run one at a time and all complete."""
     with Engine(model.lm, model.tokenizer, max_running=8, prefill_chunk=8, max_memory=1) as engine:
         seen: list[int] = []
-        engine_step = engine._step
-        engine._step = lambda batch: (seen.append(len(batch)), engine_step(batch))[1]
+        engine_step = engine.step.run
+        engine.step.run = lambda batch: (seen.append(len(batch)), engine_step(batch))[1]
         results = run_together(engine, jobs[:3])
     assert max(seen) == 1
     assert [r.token_ids for r in results] == solo[:3]
@@ -182,8 +182,8 @@ def test_admission_is_bounded_by_memory(model, jobs, solo):
 def test_max_running_bounds_the_running_set(model, jobs, solo):
     with Engine(model.lm, model.tokenizer, max_running=2, prefill_chunk=8) as engine:
         seen: list[int] = []
-        engine_step = engine._step
-        engine._step = lambda batch: (seen.append(len(batch)), engine_step(batch))[1]
+        engine_step = engine.step.run
+        engine.step.run = lambda batch: (seen.append(len(batch)), engine_step(batch))[1]
         results = run_together(engine, jobs[:5])
     assert max(seen) == 2
     assert [r.token_ids for r in results] == solo[:5]

@@ -46,8 +46,8 @@ class BatchingMachine(RuleBasedStateMachine):
             self.lm, None, prefill_chunk=8, max_running=4, max_batch_tokens=6, prefix=self.prefix,
             speculative=speculator(NgramDrafter, depth=4),
         )
-        step = self.engine._step
-        self.engine._step = lambda batch: (self._note("running", len(batch)), step(batch))[1]
+        step = self.engine.step.run
+        self.engine.step.run = lambda batch: (self._note("running", len(batch)), step(batch))[1]
         self.requests: list[tuple[list[int], SamplingParams, Completion, object]] = []
         self.prompts: list[list[int]] = []
 

@@ -242,7 +242,7 @@ def test_cancel_while_queued_and_queue_bound(model, chat_ids):
 def test_a_failing_request_does_not_take_the_engine_down(model, chat_ids, monkeypatch):
     ids = chat_ids("Hi")
     with Engine(model.lm, model.tokenizer) as engine:
-        real = engine._prefill
+        real = engine.step._prefill
         calls = iter([RuntimeError("boom")])
 
         def flaky(running):
@@ -250,7 +250,7 @@ def test_a_failing_request_does_not_take_the_engine_down(model, chat_ids, monkey
                 raise error
             return real(running)
 
-        monkeypatch.setattr(engine, "_prefill", flaky)
+        monkeypatch.setattr(engine.step, "_prefill", flaky)
         failed = engine.generate(ids, GREEDY)
         assert failed.finish_reason == "error" and "boom" in failed.error
         recovered = engine.generate(ids, GREEDY)

@@ -42,7 +42,7 @@ def test_a_failing_prefix_cache_leaves_the_engine_serving(model, monkeypatch):
 
 def test_a_dead_worker_fails_its_requests_and_is_reported(model, monkeypatch):
     with Engine(model.lm, model.tokenizer) as engine:
-        monkeypatch.setattr(engine, "_step", lambda batch: 1 / 0)
+        monkeypatch.setattr(engine.step, "run", lambda batch: 1 / 0)
         result = generate(engine, [1, 2, 3])
         assert result.finish_reason == ERROR and "ZeroDivisionError" in result.error
         engine._thread.join(10)

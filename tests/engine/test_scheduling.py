@@ -15,13 +15,13 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 def record_prefills(engine: Engine) -> list[int]:
     """Admission order of the sequence behind each prefill chunk the engine runs, in order."""
     order: list[int] = []
-    real = engine._prefill
+    real = engine.step._prefill
 
     def prefill(running):
         order.append(running.admitted)
         return real(running)
 
-    engine._prefill = prefill
+    engine.step._prefill = prefill
     return order
 
 
@@ -34,7 +34,7 @@ def test_prompts_admitted_together_take_chunks_in_turn(model):
     with Engine(model.lm, model.tokenizer, max_running=3, prefill_chunk=8, max_batch_tokens=8) as engine:
         order = record_prefills(engine)
         handles = [Completion() for _ in prompts]
-        with engine._wake:  # the engine admits them in one scheduling round
+        with engine.scheduler.wake:  # the engine admits them in one scheduling round
             for p, c in zip(prompts, handles, strict=True):
                 engine.submit(p, GREEDY, c.add)
         wait_until(lambda: all(c.finish_reason for c in handles), timeout=60)
@@ -92,14 +92,14 @@ def test_a_prompt_arriving_during_a_burst_prefill_is_a_peer(model, chat_ids):
             if event.finished:
                 seen.append(len(events))
 
-        real = engine._prefill
+        real = engine.step._prefill
 
         def prefill(running):  # the second prompt arrives while the first one's (only) chunk runs
             if running.request.prompt_ids == first_ids and not submitted:
                 submitted.append(engine.submit(second_ids, one, on_second))
             return real(running)
 
-        engine._prefill = prefill
+        engine.step._prefill = prefill
         running = engine.submit(first_ids, LONG, events.append)
         wait_until(lambda: second.finish_reason is not None, timeout=60)
         running.cancel()

@@ -72,7 +72,7 @@ def test_health_is_503_when_the_engine_thread_is_dead(demo_dir, monkeypatch):
             transport = httpx.ASGITransport(app=create_app(engine, "demo"))
             async with httpx.AsyncClient(transport=transport, base_url="http://hybridlm") as http:
                 assert (await http.get("/health")).status_code == 200
-                monkeypatch.setattr(engine, "_step", lambda batch: 1 / 0)
+                monkeypatch.setattr(engine.step, "run", lambda batch: 1 / 0)
                 failed = await http.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2})
                 assert failed.status_code == 500
                 await asyncio.to_thread(engine._thread.join, 10)

@@ -598,14 +598,14 @@ def test_an_engine_failure_is_a_500_or_a_failed_response(demo_dir, monkeypatch):
     model = hybridlm.load_model(demo_dir)
     with Engine(model.lm, model.tokenizer) as engine:
         failures = iter([RuntimeError("device lost")] * 2)
-        real = engine._prefill
+        real = engine.step._prefill
 
         def flaky(running):
             if (error := next(failures, None)) is not None:
                 raise error
             return real(running)
 
-        monkeypatch.setattr(engine, "_prefill", flaky)
+        monkeypatch.setattr(engine.step, "_prefill", flaky)
 
         async def main():
             transport = httpx.ASGITransport(app=create_app(engine, MODEL))

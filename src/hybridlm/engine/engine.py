@@ -1,22 +1,22 @@
 """The engine: a worker thread that serves many queued requests at once (continuous batching).
 
-Loop: `_schedule` admits requests from a bounded FIFO queue into the running set, in arrival order,
-up to `max_running` and while their memory fits; `_step` advances every running sequence by one unit
+Loop: the scheduler admits requests from a bounded FIFO queue into the running set, in arrival order,
+up to `max_running` and while their memory fits; the step advances every running sequence by one unit
 of work — every decode row and every speculative sequence's verify rows in one packed forward (each
 weight read once for all of them, each row computed as it is alone; each sequence then commits its
 own accepted prefix), and prefill chunks round-robin under the per-step token budget (prompts that
-arrive while streams decode on a decode-priority time share, `engine/share.py`); `_emit` hands each
+arrive while streams decode on a decode-priority time share, `engine/share.py`); `retire` hands each
 request its event and retires the finished ones, whose slots go back at once. A request of n choices
 prefills once and forks n sequences. A request's output never depends on what else runs: its prefill
 is cut into the chunks it gets alone, and its decode and verify rows go through the per-token
 kernels, which compute each row independently.
 
-The engine is built from rooms of one job each: `scheduler.py` (admission under `max_running` and
-memory, prefill turns, retirement) and `step.py` (packing, forwards, speculative verification,
-commits, forks of n choices) are parts of this class, sharing the state `Engine.__init__` declares;
-`delivery.py` (sampling, stop rules, usage, events, the prefix-cache session's end) is an object of
-its own, `engine.delivery`; `sequence.py` holds the per-sequence state. This file holds the public
-API and the worker loop.
+The engine is built from rooms of one job each, objects it owns: `engine.scheduler` (`scheduler.py`:
+the queue and running set, admission under `max_running` and memory, prefill turns, retirement),
+`engine.step` (`step.py`: packing, forwards, speculative verification, commits, forks of n choices)
+and `engine.delivery` (`delivery.py`: sampling, stop rules, usage, events, the prefix-cache
+session's end); `sequence.py` holds the per-sequence state and how a sequence starts. This file
+holds the public API and the worker loop.
 
 Callers talk to the engine through `Request` handles: events arrive through a sink (called on the
 engine thread, so it must be quick); `stream`/`generate` wrap that for blocking code and
@@ -30,7 +30,6 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -43,8 +42,7 @@ from hybridlm.engine.memory import CacheCost, HeapTrimmer, available_memory
 from hybridlm.engine.params import SamplingParams
 from hybridlm.engine.request import ERROR, Completion, Event, Request, Sink
 from hybridlm.engine.scheduler import Scheduler
-from hybridlm.engine.sequence import Running
-from hybridlm.engine.share import PrefillShare
+from hybridlm.engine.sequence import Sequences
 from hybridlm.engine.stats import EngineStats
 from hybridlm.engine.step import Step
 from hybridlm.models.base import CausalLM
@@ -74,7 +72,7 @@ def serial_setup() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-class Engine(Scheduler, Step):
+class Engine:
     """Serves generation requests for one model on a dedicated worker thread.
 
     model: a loaded `CausalLM`; tokenizer: its `Tokenizer` (None: token ids only, no text or stop strings).
@@ -123,26 +121,22 @@ class Engine(Scheduler, Step):
             raise ValueError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
         if not prefill_share > 0:
             raise ValueError(f"prefill_share must be > 0, got {prefill_share}")
-        self.prefill_share = prefill_share
-        self._share = PrefillShare(prefill_share)
-        self._admitted = 0  # sequences admitted so far (their `admitted` order)
-        self._last_prefilled = 0  # admission order of the sequence that ran the last prefill chunk
-        self.max_running = max_running
-        self.max_batch_tokens = max_batch_tokens
-        self.max_memory = max_memory if max_memory is not None else available_memory() // 2
-        self._reserved = 0
-        # It allocates a sequence's caches: on this thread with more than one torch thread that would
-        # make a second OpenMP pool beside the engine's, and every decode step would pay the futex
-        # wake-ups `serial_setup` describes (83 ms per served token instead of 66, Qwen3.5-0.8B shape).
-        with serial_setup():
-            self._cost = CacheCost.of(model)
         if max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {max_queue}")
         self.model = model
         self.tokenizer = tokenizer
         self.prefill_chunk = prefill_chunk
         self.max_queue = max_queue
+        self.prefill_share = prefill_share
+        self.max_running = max_running
+        self.max_batch_tokens = max_batch_tokens
+        self.max_memory = max_memory if max_memory is not None else available_memory() // 2
         self.prefix = prefix
+        # It allocates a sequence's caches: on this thread with more than one torch thread that would
+        # make a second OpenMP pool beside the engine's, and every decode step would pay the futex
+        # wake-ups `serial_setup` describes (83 ms per served token instead of 66, Qwen3.5-0.8B shape).
+        with serial_setup():
+            cost = CacheCost.of(model)
         self._trim = HeapTrimmer()  # evicted snapshots' heap pages back to the system
         if prefix is not None:
             prefix.reserve(max_running)
@@ -157,14 +151,21 @@ class Engine(Scheduler, Step):
         self.stats = EngineStats()
         eos = frozenset(tokenizer.eos_token_ids) if tokenizer else frozenset()
         self.delivery = Delivery(self.stats, eos)
-        self._queue: deque[Request] = deque()
-        self._running: list[Running] = []
-        self._wake = threading.Condition()
-        self._closed = False
-        self._progress = time.monotonic()  # when the worker last finished a unit of work
+        sequences = Sequences(model.device, tokenizer, self.context_length, self.grammars, speculative)
+        self.scheduler = Scheduler(
+            sequences,
+            cost,
+            self.delivery,
+            self.stats,
+            max_running,
+            max_batch_tokens,
+            self.max_memory,
+            prefill_share,
+        )
+        self.step = Step(
+            model, self.scheduler, sequences, cost, self.delivery, prefix, speculative, prefill_chunk
+        )
         self._failed = False  # the worker ended on an error outside any request
-        self._step_rows = 0  # decode and verify rows of the step being run
-        self._forked: list[Running] = []  # choices forked in the step being run
         keep_freed_memory()
         self._threads = torch.get_num_threads()
         self._thread = threading.Thread(target=self._loop, name="hybridlm-engine", daemon=True)
@@ -176,23 +177,23 @@ class Engine(Scheduler, Step):
         """Queue a request; its events go to `sink` (called on the engine thread, in order, last one
         finished). Raises `InvalidParameter` / `PromptTooLong` (bad input), `QueueFull`, `EngineClosed`."""
         self.validate(prompt_ids, params)
-        with self._wake:
-            if self._closed:
+        scheduler = self.scheduler
+        with scheduler.wake:
+            if scheduler.closed:
                 raise EngineClosed("the engine is shutting down")
-            if len(self._queue) >= self.max_queue:
-                raise QueueFull(
-                    f"server busy: {len(self._queue)} requests are waiting (limit {self.max_queue})"
-                )
+            if len(scheduler.queue) >= self.max_queue:
+                waiting = len(scheduler.queue)
+                raise QueueFull(f"server busy: {waiting} requests are waiting (limit {self.max_queue})")
             request = Request(list(prompt_ids), params, sink, on_cancel=self._notify)
-            if not self._queue and not self._running:  # the idle time before is no stall
-                self._progress = time.monotonic()
-            self._queue.append(request)
-            self._wake.notify()
+            if not scheduler.queue and not scheduler.running:  # the idle time before is no stall
+                self.step.progress = time.monotonic()
+            scheduler.queue.append(request)
+            scheduler.wake.notify()
         log.debug(
             "event=queued request=%d prompt_tokens=%d queue_depth=%d",
             request.id,
             len(prompt_ids),
-            len(self._queue),
+            len(scheduler.queue),
         )
         return request
 
@@ -264,32 +265,35 @@ class Engine(Scheduler, Step):
     @property
     def queue_depth(self) -> int:
         """Requests waiting to be scheduled."""
-        return len(self._queue)
+        return len(self.scheduler.queue)
 
     @property
     def num_running(self) -> int:
-        return len(self._running)
+        return len(self.scheduler.running)
 
     @property
     def memory_occupancy(self) -> float:
         """Share of `max_memory` the running sequences' admission reserved."""
-        return self._reserved / self.max_memory if self.max_memory else 0.0
+        return self.scheduler.reserved / self.max_memory if self.max_memory else 0.0
+
     def health_problem(self) -> str | None:
         """None while the engine serves; else why it cannot: its worker thread has ended, or it has
         had work for `stall_seconds` without finishing a forward pass."""
         if self._failed or not self._thread.is_alive():
-            return "engine closed" if self._closed and not self._failed else "engine thread dead"
-        if (self._running or self._queue) and time.monotonic() - self._progress > self.stall_seconds:
+            return "engine closed" if self.scheduler.closed and not self._failed else "engine thread dead"
+        busy = self.scheduler.running or self.scheduler.queue
+        if busy and time.monotonic() - self.step.progress > self.stall_seconds:
             return "engine stalled"
         return None
 
     def close(self, timeout: float | None = 30.0) -> None:
         """Stop accepting requests, cancel the waiting and running ones, and stop the worker thread."""
-        with self._wake:  # a re-entrant lock: cancel() notifies through it
-            self._closed = True
-            for request in [*self._queue, *(r.request for r in self._running)]:
+        scheduler = self.scheduler
+        with scheduler.wake:  # a re-entrant lock: cancel() notifies through it
+            scheduler.closed = True
+            for request in [*scheduler.queue, *(r.request for r in scheduler.running)]:
                 request.cancel()
-            self._wake.notify()
+            scheduler.wake.notify()
         self._thread.join(timeout)
 
     def __enter__(self) -> Engine:
@@ -299,8 +303,8 @@ class Engine(Scheduler, Step):
         self.close()
 
     def _notify(self) -> None:
-        with self._wake:
-            self._wake.notify()
+        with self.scheduler.wake:
+            self.scheduler.wake.notify()
 
     # -- the worker loop --------------------------------------------------------------------------
 
@@ -312,24 +316,25 @@ class Engine(Scheduler, Step):
         torch.set_num_threads(self._threads)
         try:
             while True:
-                batch = self._schedule()
+                batch = self.scheduler.schedule()
                 if batch is None:
                     return
                 t0 = time.perf_counter()
-                outputs = self._step(batch)
+                outputs = self.step.run(batch)
                 with self.stats.lock:
                     self.stats.step_seconds.observe(time.perf_counter() - t0)
-                self._emit(outputs)
+                self.scheduler.retire(outputs)
                 if self.prefix is not None:
                     self._trim(self.prefix.released_bytes)
-                self._progress = time.monotonic()
+                self.step.progress = time.monotonic()
         except Exception as e:  # a bug outside any one request: fail every request rather than hang
             log.exception("event=engine_failed")
-            with self._wake:
-                self._closed = self._failed = True
-                stranded = [*self._queue, *(r.request for r in self._running)]
-                self._queue.clear()
-                self._running.clear()
+            scheduler = self.scheduler
+            with scheduler.wake:
+                scheduler.closed = self._failed = True
+                stranded = [*scheduler.queue, *(r.request for r in scheduler.running)]
+                scheduler.queue.clear()
+                scheduler.running.clear()
             for request in stranded:
                 error = Event(finish_reason=ERROR, error=f"engine failed: {type(e).__name__}")
                 self.delivery.deliver_rest(request, error)

@@ -1,50 +1,84 @@
 """The engine's scheduler: what runs this step. It admits queued requests in arrival order while
-their sequences fit `max_running` and their caches fit `max_memory` (`_schedule`, `_fits`; "why did
-this request wait?" is answered here), starts each choice's sequence (`_sequence`), hands prefill
-chunks out round-robin under the step's token budget and the late prompts' time share
-(`_prefill_chunks`), and retires finished sequences, returning their slots and memory (`_emit`).
+their sequences fit `max_running` and their caches fit `max_memory` (`schedule`, `fits`; "why did
+this request wait?" is answered here), hands prefill chunks out round-robin under the step's token
+budget and the late prompts' time share (`prefill_chunks`), and retires finished sequences, returning
+their slots and memory (`retire`).
 
-A part of `Engine` (engine.py), which owns the state it reads: the queue, the running set, the
-reservation and the lock `_wake`.
+It owns the queue, the running set, the memory reservation and the lock `wake` that guards them
+(the engine's API threads queue and cancel through it; the worker thread schedules under it).
 """
 
 from __future__ import annotations
 
 import logging
-import secrets
+import threading
 import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import replace
 
-import torch
-
+from hybridlm.engine.delivery import Delivery
+from hybridlm.engine.memory import CacheCost
 from hybridlm.engine.request import CANCELLED, Event, Request, Timings, Usage
-from hybridlm.engine.sequence import DECODE_CONTEXT, Running
-from hybridlm.engine.stop import StopStrings
-from hybridlm.models.tokenizer import IncrementalDecoder
+from hybridlm.engine.sequence import Running, Sequences
+from hybridlm.engine.share import PrefillShare
+from hybridlm.engine.stats import EngineStats
 
 # One logger for the whole engine, as before it was split into rooms (log filters name it).
 log = logging.getLogger("hybridlm.engine.engine")
 
 
 class Scheduler:
-    """Admission, prefill turns and retirement of the engine's sequences (a part of `Engine`)."""
+    """Admission, prefill turns and retirement of the engine's sequences.
 
-    def _schedule(self) -> list[Running] | None:
+    max_running: most sequences at once. max_batch_tokens: tokens per step (decode and verify rows
+    first, then prefill chunks). max_memory: bytes of caches the running sequences may reserve.
+    prefill_share: the late prompts' fraction of the decode steps' seconds (`PrefillShare`).
+    """
+
+    def __init__(
+        self,
+        sequences: Sequences,
+        cost: CacheCost,
+        delivery: Delivery,
+        stats: EngineStats,
+        max_running: int,
+        max_batch_tokens: int,
+        max_memory: int,
+        prefill_share: float,
+    ):
+        self.sequences = sequences
+        self.cost = cost
+        self.delivery = delivery
+        self.stats = stats
+        self.max_running = max_running
+        self.max_batch_tokens = max_batch_tokens
+        self.max_memory = max_memory
+        self.share = PrefillShare(prefill_share)
+        self.queue: deque[Request] = deque()
+        self.running: list[Running] = []
+        self.wake = threading.Condition()
+        self.closed = False
+        self.reserved = 0  # bytes the running sequences' admissions reserved
+        self._admitted = 0  # sequences admitted so far (their `admitted` order)
+        self._last_prefilled = 0  # admission order of the sequence that ran the last prefill chunk
+
+    def schedule(self) -> list[Running] | None:
         """Admit queued requests up to `max_running`; block while there is nothing to do.
         Returns the running set (None when closed and drained)."""
         dropped: list[Request] = []
-        with self._wake:
+        with self.wake:
             while True:
-                for request in [r for r in self._queue if r.cancelled]:
-                    self._queue.remove(request)
+                for request in [r for r in self.queue if r.cancelled]:
+                    self.queue.remove(request)
                     dropped.append(request)
-                while self._queue and self._fits(self._queue[0]):
-                    self._running.append(self._start(self._queue.popleft()))
-                if self._running or dropped:
+                while self.queue and self.fits(self.queue[0]):
+                    self.running.append(self._start(self.queue.popleft()))
+                if self.running or dropped:
                     break
-                if self._closed:
+                if self.closed:
                     return None
-                self._wake.wait()
+                self.wake.wait()
         for request in dropped:  # cancelled while waiting: they never ran
             now = time.perf_counter()
             usage = Usage(len(request.prompt_ids), 0)
@@ -52,32 +86,28 @@ class Scheduler:
             self.delivery.deliver_rest(request, Event(finish_reason=CANCELLED, usage=usage, timings=timings))
             with self.stats.lock:
                 self.stats.finished[CANCELLED] += 1
-        return self._running
+        return self.running
 
-    def _fits(self, request: Request) -> bool:
+    def fits(self, request: Request) -> bool:
         """Whether `request`'s sequences (its n choices) fit `max_running` and their caches fit
         `max_memory` beside the running ones (alone they always do: n <= max_running)."""
-        if not self._running:
+        if not self.running:
             return True
-        sequences = sum(1 + r.forks for r in self._running) + request.params.n
-        return sequences <= self.max_running and self._reserved + self._bytes_for(request) <= self.max_memory
+        sequences = sum(1 + r.forks for r in self.running) + request.params.n
+        return sequences <= self.max_running and self.reserved + self.bytes_for(request) <= self.max_memory
 
-    def _bytes_for(self, request: Request) -> int:
+    def bytes_for(self, request: Request) -> int:
         """Bytes of state and KV the request's n sequences may hold (prompt + max_tokens each; the
         prompt's KV rows that forks share counted once)."""
-        tokens = self._tokens_for(request)
-        forks = self._cost.fork_bytes(len(request.prompt_ids), tokens) * (request.params.n - 1)
-        return self._cost.bytes(tokens) + forks
-
-    def _tokens_for(self, request: Request) -> int:
-        room = self.context_length - len(request.prompt_ids)
-        return len(request.prompt_ids) + min(request.params.max_tokens or room, room)
+        tokens = self.sequences.tokens(request)
+        forks = self.cost.fork_bytes(len(request.prompt_ids), tokens) * (request.params.n - 1)
+        return self.cost.bytes(tokens) + forks
 
     def _start(self, request: Request) -> Running:
-        running = self._sequence(request, 0)
+        running = self.sequences.start(request, 0)
         running.forks = request.params.n - 1
-        running.reserved = self._bytes_for(request)
-        self._reserved += running.reserved
+        running.reserved = self.bytes_for(request)
+        self.reserved += running.reserved
         self._admitted += 1
         running.admitted = self._admitted
         with self.stats.lock:
@@ -87,43 +117,30 @@ class Scheduler:
         )
         return running
 
-    def _sequence(self, request: Request, index: int) -> Running:
-        """Engine-side state of choice `index` of `request`: its own generator (seeded with
-        `choice_seed(index)`), decoder, stop strings, grammar state and speculation."""
-        params = request.params
-        generator = None
-        if not params.greedy:
-            generator = torch.Generator(device=self.model.device)
-            seed = params.choice_seed(index)
-            generator.manual_seed(seed if seed is not None else secrets.randbits(63))
-        decoder = None
-        if self.tokenizer is not None:
-            context = request.prompt_ids[-DECODE_CONTEXT:]
-            decoder = IncrementalDecoder(
-                self.tokenizer, skip_special_tokens=params.skip_special_tokens, context=context
-            )
-        room = self.context_length - len(request.prompt_ids)
-        max_tokens = min(params.max_tokens or room, room)
-        stopper = StopStrings(params.stop)
-        running = Running(request, max_tokens, time.perf_counter(), generator, decoder, stopper, index=index)
-        if params.grammar is not None:
-            running.matcher = self.grammars.matcher(params.grammar)
-        if self.speculative is not None and params.speculative:
-            # A seeded sampled request must draw the same random numbers on every run: its draft
-            # lengths may then depend only on its own outcomes.
-            reproducible = not params.greedy and params.seed is not None
-            running.speculation = self.speculative.start(request.prompt_ids, reproducible)
-        return running
-
-    def _prefill_chunks(self, prefilling: list[Running], late: set[int]) -> list[tuple[Running, Event]]:
+    def prefill_chunks(
+        self,
+        prefilling: list[Running],
+        decoding: list[Running],
+        decode_seconds: float,
+        rows: int,
+        size: Callable[[Running], int | Event],
+        run: Callable[[Running], Event | None],
+    ) -> list[tuple[Running, Event]]:
         """Run prefill chunks of `prefilling` (admission order): round-robin, one chunk per sequence
         per turn, starting after the sequence that ran the last one, while `rows + chunk <=
-        max_batch_tokens` (decode and verify rows count first; at least one chunk per step unless the
-        time share holds back every prompt: a chunk is never cut). A late prompt (id in `late`) runs
-        a chunk only when the time share allows it. Events of sequences that finished their prefill
-        (first token) or failed."""
+        max_batch_tokens` (`rows`: the step's decode and verify rows, which count first; at least
+        one chunk per step unless the time share holds back every prompt: a chunk is never cut).
+
+        Prompts that arrived after a stream of `decoding` began decoding are late: they run a chunk
+        only when the time share allows it (`decode_seconds`: what this step's decode took). `size`
+        gives a sequence's next chunk in tokens (or the event of its failed begin); `run` runs it
+        (an event after the last chunk: the first token, or a failure). Returns the events."""
+        # By arrival, not admission: prompts of one burst are admitted over the first steps (the first
+        # prefill chunk runs before the others are taken from the queue) and stay peers.
+        since = min((r.prefill_done for r in decoding), default=None)
+        late = {id(r) for r in prefilling if since is not None and r.request.arrival > since}
+        self.share.open(decode_seconds if decoding else 0.0, waiting=bool(late))
         out: list[tuple[Running, Event]] = []
-        rows = self._step_rows  # tokens this step runs: decode and verify rows, then prefill chunks
         chunks = 0
         turn = sorted(prefilling, key=lambda r: (r.admitted <= self._last_prefilled, r.admitted))
         while turn:
@@ -132,18 +149,18 @@ class Scheduler:
                 if running.request.cancelled:
                     out.append((running, self.delivery.finish(running, CANCELLED)))
                     continue
-                piece = self._guarded(running, self._next_chunk)
+                piece = size(running)
                 if isinstance(piece, Event):  # its session could not begin
                     out.append((running, piece))
                     continue
                 if chunks and rows + piece > self.max_batch_tokens:
                     continue
                 throttled = id(running) in late
-                if throttled and not self._share.allows(piece):
+                if throttled and not self.share.allows(piece):
                     continue
                 t0 = time.perf_counter()
-                event = self._guarded(running, self._advance)
-                self._share.ran(piece, time.perf_counter() - t0, throttled)
+                event = run(running)
+                self.share.ran(piece, time.perf_counter() - t0, throttled)
                 chunks += 1
                 rows += piece
                 self._last_prefilled = running.admitted
@@ -156,14 +173,22 @@ class Scheduler:
             self.stats.batch_rows.observe(rows)
         return out
 
-    def _emit(self, outputs: list[tuple[Running, Event]]) -> None:
+    def join(self, forks: list[Running]) -> None:
+        """Add the choices forked during a step to the running set (their reservations are parts of
+        their parent's admission)."""
+        with self.wake:
+            self.running.extend(forks)
+
+    def retire(self, outputs: list[tuple[Running, Event]]) -> None:
+        """Deliver each sequence's event; a finished sequence leaves the running set, its caches and
+        reservation freed and its prefix-cache session ended."""
         for running, event in outputs:
             if running.index:
                 event = replace(event, index=running.index)
             if event.finished:
-                with self._wake:
-                    self._running.remove(running)
-                    self._reserved -= running.reserved
+                with self.wake:
+                    self.running.remove(running)
+                    self.reserved -= running.reserved
                     self._hand_down_shared(running)
                 running.caches = []  # release the cache memory now, not when the handle dies
                 if running.speculation is not None:
@@ -180,8 +205,8 @@ class Scheduler:
         reservation of them passes to a running choice of the same request."""
         if not running.shared_reserved:
             return
-        heir = next((r for r in (*self._running, *self._forked) if r.request is running.request), None)
+        heir = next((r for r in self.running if r.request is running.request), None)
         if heir is not None:
             heir.reserved += running.shared_reserved
             heir.shared_reserved += running.shared_reserved
-            self._reserved += running.shared_reserved
+            self.reserved += running.shared_reserved

@@ -1,19 +1,22 @@
-"""What the engine holds for each running sequence (one choice of a request): `Running`, and the
-rows it contributes to a decode step (`Rows`)."""
+"""What the engine holds for each running sequence (one choice of a request): `Running`, how one
+is started (`Sequences`: on admission and when a prompt's other choices fork), and the rows it
+contributes to a decode step (`Rows`)."""
 
 from __future__ import annotations
 
+import secrets
+import time
 from dataclasses import dataclass, field
 
 import torch
 
 from hybridlm.cache.base import LayerCache
-from hybridlm.engine.grammar import Matcher
+from hybridlm.engine.grammar import GrammarCompiler, Matcher
 from hybridlm.engine.request import Request
 from hybridlm.engine.stop import StopStrings
-from hybridlm.models.tokenizer import IncrementalDecoder
+from hybridlm.models.tokenizer import IncrementalDecoder, Tokenizer
 from hybridlm.prefix.session import Session
-from hybridlm.speculative import RequestSpeculation, TargetPolicy, VerifyRows
+from hybridlm.speculative import RequestSpeculation, Speculator, TargetPolicy, VerifyRows
 
 DECODE_CONTEXT = 4  # prompt ids that condition the first output text (SentencePiece spacing), never emitted
 
@@ -47,6 +50,50 @@ class Running:
     forks: int = 0  # choices still to fork from it when its prefill ends
     forked: bool = False  # a choice > 0: its prompt state was copied, not computed
     admitted: int = 0  # admission order (prefill chunks go round-robin in this order)
+
+
+@dataclass
+class Sequences:
+    """Starts the engine-side state of a request's choices: what the scheduler's admission and the
+    step's forks of n choices share."""
+
+    device: torch.device
+    tokenizer: Tokenizer | None
+    context_length: int
+    grammars: GrammarCompiler | None
+    speculative: Speculator | None
+
+    def tokens(self, request: Request) -> int:
+        """Most tokens a sequence of `request` holds: its prompt plus the output that fits the context."""
+        room = self.context_length - len(request.prompt_ids)
+        return len(request.prompt_ids) + min(request.params.max_tokens or room, room)
+
+    def start(self, request: Request, index: int) -> Running:
+        """Engine-side state of choice `index` of `request`: its own generator (seeded with
+        `choice_seed(index)`), decoder, stop strings, grammar state and speculation."""
+        params = request.params
+        generator = None
+        if not params.greedy:
+            generator = torch.Generator(device=self.device)
+            seed = params.choice_seed(index)
+            generator.manual_seed(seed if seed is not None else secrets.randbits(63))
+        decoder = None
+        if self.tokenizer is not None:
+            context = request.prompt_ids[-DECODE_CONTEXT:]
+            decoder = IncrementalDecoder(
+                self.tokenizer, skip_special_tokens=params.skip_special_tokens, context=context
+            )
+        max_tokens = self.tokens(request) - len(request.prompt_ids)
+        stopper = StopStrings(params.stop)
+        running = Running(request, max_tokens, time.perf_counter(), generator, decoder, stopper, index=index)
+        if params.grammar is not None:
+            running.matcher = self.grammars.matcher(params.grammar)
+        if self.speculative is not None and params.speculative:
+            # A seeded sampled request must draw the same random numbers on every run: its draft
+            # lengths may then depend only on its own outcomes.
+            reproducible = not params.greedy and params.seed is not None
+            running.speculation = self.speculative.start(request.prompt_ids, reproducible)
+        return running
 
 
 @dataclass

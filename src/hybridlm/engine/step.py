@@ -3,8 +3,6 @@ verify rows go through one packed forward (`_decode`), each sequence then commit
 prefix (`_commit`); prefill chunks run one forward each (`_prefill`, `_forward`), their session
 beginning with the longest cached prefix (`_begin`); when a prompt of n choices is in, the other
 choices fork from its state (`_fork`). A failure fails only its own request (`_guarded`).
-
-A part of `Engine` (engine.py).
 """
 
 from __future__ import annotations
@@ -18,27 +16,58 @@ import torch
 from hybridlm.batch import Batch
 from hybridlm.cache.base import LayerCache
 from hybridlm.cache.fork import fork_caches
+from hybridlm.engine.delivery import Delivery
+from hybridlm.engine.memory import CacheCost
 from hybridlm.engine.request import CANCELLED, ERROR, Event, TokenLogprob
-from hybridlm.engine.sequence import Rows, Running
-from hybridlm.models.base import forward_packed
+from hybridlm.engine.scheduler import Scheduler
+from hybridlm.engine.sequence import Rows, Running, Sequences
+from hybridlm.models.base import CausalLM, forward_packed
 from hybridlm.ops.quant_gemm import prompt_rows
-from hybridlm.speculative import StepShare, TargetPolicy
+from hybridlm.prefix.cache import PrefixCache
+from hybridlm.speculative import Speculator, StepShare, TargetPolicy
 
 # One logger for the whole engine, as before it was split into rooms (log filters name it).
 log = logging.getLogger("hybridlm.engine.engine")
 
 
 class Step:
-    """Packing, forwards, speculative verification and commits of one engine step (a part of `Engine`)."""
+    """Packing, forwards, speculative verification and commits of one engine step.
 
-    def _step(self, batch: list[Running]) -> list[tuple[Running, Event]]:
+    prefill_chunk: most prompt tokens per forward. `progress` is when the last forward or step
+    ended (`time.monotonic()`): the engine's stall check reads it.
+    """
+
+    def __init__(
+        self,
+        model: CausalLM,
+        scheduler: Scheduler,
+        sequences: Sequences,
+        cost: CacheCost,
+        delivery: Delivery,
+        prefix: PrefixCache | None,
+        speculative: Speculator | None,
+        prefill_chunk: int,
+    ):
+        self.model = model
+        self.scheduler = scheduler
+        self.sequences = sequences
+        self.cost = cost
+        self.delivery = delivery
+        self.prefix = prefix
+        self.speculative = speculative
+        self.prefill_chunk = prefill_chunk
+        self.progress = time.monotonic()
+        self._rows_run = 0  # decode and verify rows of the step being run
+        self._forked: list[Running] = []  # choices forked in the step being run
+
+    def run(self, batch: list[Running]) -> list[tuple[Running, Event]]:
         """Advance every running sequence by one unit of work; one event per sequence that produced
         tokens or finished. The decode rows and verify rows of every sequence past its prefill share
-        one packed forward; then prefill chunks (`_prefill_chunks`)."""
+        one packed forward; then the scheduler hands out prefill chunks (`Scheduler.prefill_chunks`)."""
         out: list[tuple[Running, Event]] = []
         decoding: list[Running] = []
         prefilling: list[Running] = []
-        self._step_rows = 0
+        self._rows_run = 0
         for running in batch:
             if running.request.cancelled:
                 out.append((running, self.delivery.finish(running, CANCELLED)))
@@ -49,17 +78,13 @@ class Step:
         t0 = time.perf_counter()
         out.extend(self._decode(decoding))
         decode_seconds = time.perf_counter() - t0
-        # Prompts that arrived after a stream began decoding are late: they prefill on the time share.
-        # By arrival, not admission: prompts of one burst are admitted over the first steps (the first
-        # prefill chunk runs before the others are taken from the queue) and stay peers.
-        since = min((r.prefill_done for r in decoding), default=None)
-        late = {id(r) for r in prefilling if since is not None and r.request.arrival > since}
-        self._share.open(decode_seconds if decoding else 0.0, waiting=bool(late))
-        out.extend(self._prefill_chunks(prefilling, late))
+        size = lambda running: self._guarded(running, self._next_chunk)
+        run = lambda running: self._guarded(running, self._advance)
+        rows = self._rows_run
+        out.extend(self.scheduler.prefill_chunks(prefilling, decoding, decode_seconds, rows, size, run))
         for fork in self._forked:  # choices > 0 of a prompt whose prefill just ended: their first token
             out.append((fork, self._guarded(fork, self.delivery.next_token)))
-        with self._wake:
-            self._running.extend(self._forked)
+        self.scheduler.join(self._forked)
         self._forked = []
         return out
 
@@ -78,7 +103,7 @@ class Step:
         admission's reservation; they join the running set at the end of this step."""
         forks = []
         for index in range(1, parent.forks + 1):
-            fork = self._sequence(parent.request, index)
+            fork = self.sequences.start(parent.request, index)
             if parent.session is not None:  # its continuation goes to the trie too
                 fork.session = self.prefix.fork(parent.session)
                 fork.caches = fork.session.caches
@@ -91,7 +116,7 @@ class Step:
             if fork.speculation is not None:  # its drafter starts from the prompt's tokens alone
                 fork.speculation.attach(fork.caches)
             forks.append(fork)
-        own = self._cost.fork_bytes(len(parent.request.prompt_ids), self._tokens_for(parent.request))
+        own = self.cost.fork_bytes(len(parent.request.prompt_ids), self.sequences.tokens(parent.request))
         for fork in forks:
             fork.reserved = own
             parent.reserved -= own
@@ -194,7 +219,7 @@ class Step:
             logits, hidden = self.model(batch, caches, hidden=spec.hidden_rows)
             hidden = hidden[0]
             spec.observe(offset, ids, hidden)
-        self._progress = time.monotonic()
+        self.progress = time.monotonic()
         if running.session is not None:
             running.session.advance(ids, hidden if spec is not None and spec.keeps_hidden else None)
         return logits
@@ -247,7 +272,7 @@ class Step:
             if draft is not None:
                 verify = spec.verify_rows(running.caches, draft, running.position)
                 rows = Rows(running, verify.ids, verify, policy)
-        self._step_rows += len(rows.ids)
+        self._rows_run += len(rows.ids)
         return rows
 
     def _policy(self, running: Running) -> TargetPolicy:
