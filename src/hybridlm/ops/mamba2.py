@@ -15,10 +15,12 @@ land: a token's update is the same few elementwise ops on the same ``[B, H, ...]
 call runs it (a prefill chunk, a decode step, a verify pass, a replay of logged inputs), so the
 state after any token has the same bits on every path, and so do its outputs. The chunked SSD form
 (a few matrix products per chunk of tokens) serves long prompts whose states nobody will replay
-(the layer picks, see ``models/mamba2.py``); it equals the step form within float32 rounding.
+where the C kernel does not run (the layer picks, see ``models/mamba2.py``); it equals the step form
+within float32 rounding.
 
 On the CPU the step form runs as one C call (`mamba2_step_fused`, csrc/mamba2.c) wherever it
-applies, so every path takes the same kernel; `mamba2_scan`'s torch step form is the fallback.
+applies, so every path takes the same kernel, prompts included (it is the faster form there);
+`mamba2_scan`'s torch step form is the fallback.
 
 Transcendentals per token in the torch form: ATen's elementwise loops run a vector body and a scalar
 tail, whose ``exp`` may round differently, and where an element lands depends on the tensor's

@@ -197,21 +197,22 @@ int hybridlm_linear_bf16(const uint16_t* x, int64_t M, const uint16_t* w, const 
    Returns 0 or -1 (out of memory). */
 int hybridlm_linear_bf16_grouped(const uint16_t* const* xs, const int64_t* ms, const uint16_t* const* ws,
                                  uint16_t* const* ys, int64_t G, int64_t N, int64_t K, int nthreads) {
-    int64_t rows = 0;
-    for (int64_t g = 0; g < G; g++) rows += ms[g];
+    int64_t rows = 0, first[G];  /* first[g]: product g's first element in xf */
+    for (int64_t g = 0; g < G; g++) {
+        first[g] = rows * K;
+        rows += ms[g];
+    }
     float* xf = NULL;
     if (X_AS_F32) {
         xf = malloc((size_t)(rows * K) * sizeof(float));
         if (!xf) return -1;
-        for (int64_t g = 0, at = 0; g < G; at += ms[g] * K, g++) to_f32(xs[g], ms[g], K, xf + at);
+        for (int64_t g = 0; g < G; g++) to_f32(xs[g], ms[g], K, xf + first[g]);
     }
     const int64_t nblocks = (N + RB - 1) / RB;
     #pragma omp parallel for schedule(static) num_threads(nthreads) if (G * N * K >= 65536)
     for (int64_t i = 0; i < G * nblocks; i++) {
         const int64_t g = i / nblocks;
-        int64_t at = 0;
-        for (int64_t h = 0; h < g; h++) at += ms[h] * K;
-        row_block(xs[g], xf ? xf + at : NULL, ms[g], ws[g], NULL, ys[g], N, K, i % nblocks * RB);
+        row_block(xs[g], xf ? xf + first[g] : NULL, ms[g], ws[g], NULL, ys[g], N, K, i % nblocks * RB);
     }
     free(xf);
     return 0;

@@ -2,13 +2,67 @@
    the torch step form runs ~8 small ATen ops a token and layer. Each (row, head) reads its token's x,
    B, C straight from the conv output [L, x ‖ B ‖ C] and keeps its [P, N] float32 state in place.
    A token's arithmetic never depends on how many tokens the call holds or on the rows beside it, so
-   decode steps, verify passes, recorded prefills and replays all give the same bits. */
+   decode steps, verify passes, recorded prefills and replays all give the same bits.
+
+   A state row's update and its dot product with C run in vectors of the ISA's width with four
+   accumulators (vector j of the row into accumulator j % 4), then the accumulators and the lanes
+   are summed in a fixed order. The scalar loop it replaces summed each row in one dependent chain:
+   0.37 ms a token for a Nemotron-H-8B-shaped layer on 2 AVX2 cores, so a recorded prompt (the
+   prefix cache's range snapshots) ran at ~200 tokens/s through 12 such layers. */
 #include "bf16.h"
 #include <math.h>
 #include <string.h>
 
+#if defined(__AVX512F__)
+#define VW 16
+#else
+#define VW 8
+#endif
+typedef float vf __attribute__((vector_size(VW * sizeof(float))));
+static inline vf ldv(const float* p) { vf v; memcpy(&v, p, sizeof v); return v; }
+static inline void stv(float* p, vf v) { memcpy(p, &v, sizeof v); }
+
 /* torch's softplus (threshold 20: above it, x itself) */
 static inline float softplus(float x) { return x > 20.f ? x : log1pf(expf(x)); }
+
+/* The lanes of v summed pairwise, halving the width each round (the same order at every call). */
+static inline float hsum(vf v) {
+    float lanes[VW];
+    memcpy(lanes, &v, sizeof v);
+    for (int w = VW / 2; w > 0; w /= 2)
+        for (int i = 0; i < w; i++) lanes[i] += lanes[i + w];
+    return lanes[0];
+}
+
+/* One state row s [N] of a token: s = decay·s + xd·b; returns Σ_n s[n]·c[n]. The accumulators are
+   named, not an indexed array: indexed by a loop counter they lived in memory and every vector
+   waited on a store (4x slower). */
+static inline float row_step(float* s, const float* b, const float* c, float decay, float xd, int64_t N) {
+    vf a0 = (vf){0}, a1 = (vf){0}, a2 = (vf){0}, a3 = (vf){0};
+#define ROW_VECTOR(acc, at)                                       \
+    do {                                                          \
+        const vf sv = ldv(s + (at)) * decay + xd * ldv(b + (at)); \
+        stv(s + (at), sv);                                        \
+        acc += sv * ldv(c + (at));                                \
+    } while (0)
+    int64_t n = 0;
+    for (; n + 4 * VW <= N; n += 4 * VW) {
+        ROW_VECTOR(a0, n);
+        ROW_VECTOR(a1, n + VW);
+        ROW_VECTOR(a2, n + 2 * VW);
+        ROW_VECTOR(a3, n + 3 * VW);
+    }
+    if (n + VW <= N) { ROW_VECTOR(a0, n); n += VW; }
+    if (n + VW <= N) { ROW_VECTOR(a1, n); n += VW; }
+    if (n + VW <= N) { ROW_VECTOR(a2, n); n += VW; }
+#undef ROW_VECTOR
+    float total = hsum((a0 + a1) + (a2 + a3));
+    for (; n < N; n++) {
+        s[n] = s[n] * decay + xd * b[n];
+        total += s[n] * c[n];
+    }
+    return total;
+}
 
 /* One (row, head): tokens [0, L) of x (the conv output of this row, [L, conv_dim]) and dt ([L, H]),
    the first `real` of them real (later ones are identity steps with zero output). s [P, N] is the
@@ -20,6 +74,7 @@ static void scan_head(const char* x, const char* dt, float A, float bias, float 
                       int64_t G, int64_t N, int is_bf16) {
     const int64_t inner = H * P, g = h / (H / G), conv_dim = inner + 2 * G * N;
     const size_t es = is_bf16 ? 2 : 4;
+    float b[N], c[N];  /* the token's B and C of this head's group, as float32 */
     for (int64_t i = 0; i < nsplit; i++)
         if (splits[i] == 0) memcpy(bounds[i] + offset, s, sizeof(float) * P * N);
     for (int64_t t = 0; t < L; t++) {
@@ -30,15 +85,13 @@ static void scan_head(const char* x, const char* dt, float A, float bias, float 
             delta = delta < lo ? lo : (delta > hi ? hi : delta);
             const float decay = expf(delta * A);
             const int64_t b0 = inner + g * N, c0 = inner + G * N + g * N;
+            for (int64_t n = 0; n < N; n++) {
+                b[n] = load(row, b0 + n, is_bf16);
+                c[n] = load(row, c0 + n, is_bf16);
+            }
             for (int64_t p = 0; p < P; p++) {
-                const float xp = load(row, h * P + p, is_bf16), xd = xp * delta;
-                float* sp = s + p * N;
-                float acc = 0.f;
-                for (int64_t n = 0; n < N; n++) {
-                    sp[n] = sp[n] * decay + xd * load(row, b0 + n, is_bf16);
-                    acc += sp[n] * load(row, c0 + n, is_bf16);
-                }
-                yt[p] = acc + D * xp;
+                const float xp = load(row, h * P + p, is_bf16);
+                yt[p] = row_step(s + p * N, b, c, decay, xp * delta, N) + D * xp;
             }
         } else {
             for (int64_t p = 0; p < P; p++) yt[p] = 0.f;
