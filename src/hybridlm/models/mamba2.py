@@ -118,8 +118,9 @@ class Mamba2Mixer(nn.Module):
             query_lens=query_lens, splits=splits,
         )
         # The C step kernel runs wherever it applies, asked for the step form or not: on the CPU it
-        # beats the chunked form's matrix products (66 against ~480 µs a token for a Nemotron-H-8B
-        # layer on one AVX2 core), so only its fallback (torch, other devices) chooses by `step`.
+        # beats the chunked form's matrix products (a Nemotron-H-8B-shaped layer on 2 AVX2 cores, 64 and
+        # 512 tokens: 39 against 85-240 µs a token), so only its fallback (torch, other devices)
+        # chooses by `step`.
         fused = mamba2_step_fused(
             conv, dt, -self.A_log.float().exp(), self.D, state, dt_bias=self.dt_bias, heads=self.heads,
             head_dim=self.head_dim, groups=self.groups, state_size=self.state_size, dt_limit=self.dt_limit,
