@@ -460,8 +460,8 @@ def import_longer(prefix, keep: list[int]) -> int:
     for edge in edges:
         if edge.end <= matched:
             continue
-        reserved += prefix.span_cost(edge.start, [edge.end])
-        if not prefix.make_room(reserved, keep=on_path):
+        reserved += prefix.budget.span_cost(edge.start, [edge.end])
+        if not prefix.eviction.make_room(reserved, keep=on_path):
             break
         snaps = store.fetch(edge, wanted, prefix.model.device)
         if snaps is None:

@@ -50,7 +50,7 @@ class Walk:
         keep = tokens[: len(tokens) - 1]
         if self.store is not None:
             import_longer(self, keep)
-        slot = self._current = self._slot_for(keep)
+        slot = self.slots.take(keep)
         common = common_prefix(slot.live, keep)
         path, matched, target, replayed = self._restore_best(slot, keep, common)
         if target > 0:
@@ -70,9 +70,7 @@ class Walk:
         session = Session(self, slot, list(tokens), target, replayed, restore_ms, list(slot.live))
         session.stored = target
         session.hidden = hidden_prefix(path, target)
-        slot.session = session
-        self._begun += 1
-        slot.opened = self._begun
+        self.slots.open(slot, session)
         if draft and self.draft is not None:
             session.draft = self.draft.begin(tokens)
         offsets = self.plan.offsets(target, len(tokens))
@@ -80,7 +78,7 @@ class Walk:
             slot.caches[i].prepare_snapshots(offsets, ranges=True)
             slot.caches[i].lean = False
         # Nodes loaded from disk (and rows copied out of the live buffers) may have grown RAM.
-        self.enforce_budget()
+        self.eviction.enforce_budget()
         return session
 
     def fork(self, session: Session) -> Session:
@@ -90,18 +88,16 @@ class Walk:
         choice's continuation attaches below the prompt's node when its session closes."""
         with self.lock:
             self._store_captures(session)
-            slot = self._current = self._slot_for(session.fed)
+            slot = self.slots.take(session.fed)
             fork_caches(session.caches, slot.caches)
             slot.live = list(session.fed)
             end = len(session.fed)
             fork = Session(self, slot, list(session.prompt), end, 0, 0.0, list(session.fed), stored=end)
-            slot.session = fork
-            self._begun += 1
-            slot.opened = self._begun
+            self.slots.open(slot, fork)
             for i in self.layers:
                 slot.caches[i].prepare_snapshots([], ranges=True)
                 slot.caches[i].lean = False
-            self.enforce_budget()  # rows copied out of the slot's buffers count now
+            self.eviction.enforce_budget()  # rows copied out of the slot's buffers count now
             return fork
 
     def _restore_best(self, slot: Slot, keep: list[int], common: int) -> tuple[list[Node], int, int, int]:
@@ -125,11 +121,11 @@ class Walk:
                 return path, matched, target, replayed
             on_path = frozenset(n.id for n in path)
             for node in stored:
-                if not self.make_room(node.file_bytes, keep=on_path):
+                if not self.eviction.make_room(node.file_bytes, keep=on_path):
                     keep = keep[: node.start]
                     break
                 # Making room on disk may have deleted it (a disk leaf worth less): match again.
-                if not attached(node) or not self._load(node):
+                if not attached(node) or not self.tiers.load(node):
                     break
 
     def _choose(self, slot: Slot, path: list[Node], matched: int, common: int) -> tuple[int, list]:
@@ -181,6 +177,41 @@ class Walk:
                 replayed += target - snap.start
         return replayed
 
+    def _before_forward(self, slot: Slot, tokens: int) -> None:
+        """A forward of `tokens` tokens reaches `slot`'s caches: room is made for the captures it will
+        take (when there is none beside the session's earlier captures, those go to the trie first,
+        `_store_captures`, where the budget can demote them) — whole if demoting and compacting
+        other nodes makes it (their scan-input logs are worth less than any node), else in their
+        compact form (`LayerCache.lean`: no scan-input log, so they
+        restore only to their ends), deleting nodes as `enforce_budget` does. Captures that fit
+        neither way are unscheduled in every layer (the next capture spans them), the earliest
+        first: restore points near the prompt's end matter most."""
+        session = slot.session
+        if session is None or session.closed or self.budget.bound is None:
+            return
+        with self.lock:
+            slot.reserved = 0  # a previous forward's captures, if any, are counted by now
+            first = slot.caches[self.layers[0]]
+            ends = [o for o in first.capture_ends(tokens) if o <= len(session.prompt)]
+            room = self.budget.span_cost(first.capture_start, ends) if ends else 0
+            if ends and not self.eviction.make_room(room, captures=False):
+                self._store_captures(session)  # no room beside them: make them nodes the budget can demote
+            while ends:
+                full = self.budget.span_cost(first.capture_start, ends)
+                # Whole: by demoting and compacting; by deleting too if it takes at most half the budget
+                # (a bigger one would delete the session's own earlier nodes). Else compact.
+                tries = [(False, False), (False, 2 * full <= self.budget.limit()), (True, True)]
+                for lean, delete in tries:
+                    need = self.budget.span_cost(first.capture_start, ends, lean)
+                    if self.eviction.make_room(need, delete=delete):
+                        for i in self.layers:
+                            slot.caches[i].lean = lean
+                        slot.reserved = need
+                        return
+                for i in self.layers:
+                    slot.caches[i].unschedule(ends[:1])
+                ends = ends[1:]
+
     def _store_captures(self, session: Session) -> None:
         """Attach the captures `session` has taken to the trie now (as `_close` would): from there the
         budget can demote them to disk or weigh them against other nodes, and other requests can
@@ -209,7 +240,7 @@ class Walk:
             for node in self.trie.match(session.prompt[: session.stored])[0]:
                 if node.start >= session.cached:
                     node.hidden = None
-                    self._recount(node)
+                    self.budget.recount(node)
 
     def _close(self, session: Session) -> None:
         with self.lock:
@@ -226,16 +257,16 @@ class Walk:
         # The last piece (from the last capture to the end) and the hidden log are new bytes: room
         # first, while the captures still count as pending; what finds none is not kept.
         ends = [s.end for s in caches[self.layers[0]].captures()] if self.layers else []
-        piece = self.span_cost(ends[-1] if ends else session.stored, [end]) if self.layers else 0
+        piece = self.budget.span_cost(ends[-1] if ends else session.stored, [end]) if self.layers else 0
         rows = tensor_bytes(*session.hidden_log) if session.hidden_log else 0
         last_piece = keep_rows = False
         if self.layers and end > (ends[-1] if ends else session.stored):
-            if rows and self.make_room(piece + rows):
+            if rows and self.eviction.make_room(piece + rows):
                 last_piece = keep_rows = True
             else:
-                last_piece = self.make_room(piece)
+                last_piece = self.eviction.make_room(piece)
         elif rows:
-            keep_rows = self.make_room(rows)
+            keep_rows = self.eviction.make_room(rows)
         hidden = torch.cat(session.hidden_log) if keep_rows else None
         # Every stateful layer was scheduled the same offsets, so their captures share bounds.
         captures = {i: caches[i].take_snapshots() for i in self.layers}
@@ -252,7 +283,7 @@ class Walk:
         slot.live = list(session.fed)
         self._insert(session.fed, bounds, pieces, hidden)
         slot.session = None
-        self.enforce_budget()
+        self.eviction.enforce_budget()
 
     def _abandon(self, session: Session) -> None:
         with self.lock:
@@ -281,17 +312,17 @@ class Walk:
             # nowhere now); without room the pieces are not kept.
             held = sum(snap_bytes(s) for piece in pieces for s in piece if s is not None)
             held += 0 if hidden is None else tensor_bytes(hidden)
-            if not self.make_room(path[-1].file_bytes + held, keep=frozenset(n.id for n in path)):
+            if not self.eviction.make_room(path[-1].file_bytes + held, keep=frozenset(n.id for n in path)):
                 for piece in pieces:
                     free_all(piece)
                 return
-            if not attached(path[-1]) or not self._load(path[-1]):
+            if not attached(path[-1]) or not self.tiers.load(path[-1]):
                 # The edge to split is gone (deleted to make room, or unreadable): attach below what
                 # the trie still holds instead.
                 path, stored = self.trie.match(fed)
         if path and path[-1].start < stored < path[-1].end:
             parent = self.trie.split(path[-1], stored, self.caches)
-            self._recount(parent, path[-1])
+            self.budget.recount(parent, path[-1])
         else:
             parent = path[-1] if path and stored == path[-1].end else self.trie.root
         for k, snaps in enumerate(pieces):
@@ -317,4 +348,4 @@ class Walk:
                 break
             rows = None if hidden is None else hidden[lo - bounds[0] : hi - bounds[0]].clone()
             parent = self.trie.attach(parent, fed[lo:hi], snaps, rows)
-            self._recount(parent)
+            self.budget.recount(parent)
