@@ -117,8 +117,8 @@ def test_no_source_file_outgrows_a_reader():
 
 
 def test_the_engine_and_prefix_cache_are_rooms_of_a_few_methods():
-    """Each class of engine/ and prefix/ (`Engine` and `PrefixCache` are assembled from such rooms)
-    defines at most MAX_METHODS methods."""
+    """Each class of engine/ and prefix/ (`Engine` is assembled from such rooms, `PrefixCache` owns
+    such parts) defines at most MAX_METHODS methods."""
     big = {}
     for folder in ("engine", "prefix"):
         for path in (SRC / "hybridlm" / folder).glob("*.py"):

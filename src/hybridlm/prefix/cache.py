@@ -21,11 +21,16 @@ Hidden log: a session whose every forward was handed the target's final-normed h
 hands them to the session (`Session.hidden`), so an MTP head can rebuild its context. The disk tier
 does not keep them (a demoted node's hidden log is dropped).
 
-Rooms, one job each, that `PrefixCache` is built from (sharing the state its `__init__` declares):
-`walk.py` matches and restores on begin and records on close; `accounting.py` counts bytes against
-the budget; `eviction.py` is the policy that keeps it; `tiers.py` moves nodes between RAM and disk.
-`session.py` holds what they share (`Session`, `Slot`, capture plan and costs, byte counts). This
-file holds the construction and the slots of live caches.
+Parts, one job each, that `PrefixCache` owns: objects it makes on construction, each handed the
+parts it works with, all made before it, so references point one way: `slots.py` the slots of live
+caches and what they read of the trie (`Slots`); `accounting.py` the bytes counted against the RAM
+budget (`RamBudget`); `tiers.py` moving nodes between RAM and disk, and out of the trie (`Tiers`);
+`eviction.py` the policy that keeps the budgets (`Eviction`); `record.py` what sessions compute,
+into the trie, and the shared store's edges (`Recorder`); `restore.py` begin and fork (`Restorer`,
+also handed the cache itself: its sessions' owner). A forward reaching a slot's caches calls the
+recorder through the cache (the slots come first). `session.py` holds what they share (`Session`,
+`Slot`, capture plan and costs, byte counts). This file holds the construction and the surface the
+engine, the sessions, the server and /metrics use.
 
 Restore of layer l to target t along path nodes n_0..n_k (each covering [start, end)): start from
 the deepest node whose start the cache can already reach — a live rewind inside the common prefix
@@ -42,19 +47,20 @@ from hybridlm.cache.base import LayerCache
 from hybridlm.prefix.accounting import RamBudget
 from hybridlm.prefix.disk import DiskTier
 from hybridlm.prefix.eviction import Eviction
+from hybridlm.prefix.record import Recorder
+from hybridlm.prefix.restore import Restorer
 from hybridlm.prefix.session import CacheStats, CapturePlan, Session, Slot, capture_costs, common_prefix
 from hybridlm.prefix.slots import Slots
 from hybridlm.prefix.store import StoreTier
 from hybridlm.prefix.tiers import Tiers
 from hybridlm.prefix.trie import Trie
-from hybridlm.prefix.walk import Walk
 
 # Importers of the cache reach its session types and helpers here too.
 __all__ = ["CacheStats", "CapturePlan", "PrefixCache", "Session", "Slot", "capture_costs", "common_prefix"]
 
 
-class PrefixCache(Walk):
-    """The shared trie plus the live caches of one model: `max_sessions` slots of live caches, one per
+class PrefixCache:
+    """The shared trie plus the live caches of one model: `reserve(n)` slots of live caches, one per
     open session (a begin beyond them closes the oldest open session).
 
     ram_budget: bytes of snapshots held in host memory (None: unbounded). disk: an optional
@@ -63,9 +69,10 @@ class PrefixCache(Walk):
     Valkey / Redis server shared by replicas): a prefix the trie lacks is read from it before a
     restore, and what a session computed is written to it after. draft: a speculative draft model
     (`CausalLM`) whose caches sessions restore too (`Session.draft`), within the same `ram_budget`.
+    parent: set on that draft companion only (the target's cache, made with `draft=`).
 
     The RAM budget holds at every instant: whatever adds snapshot bytes makes room first (see
-    "accounting"). `lock` guards the trie: the engine thread holds it while it changes the cache,
+    `RamBudget`). `lock` guards the trie: the engine thread holds it while it changes the cache,
     and a reader on another thread (/metrics) takes it to see a consistent total.
     """
 
@@ -80,11 +87,13 @@ class PrefixCache(Walk):
         parent: PrefixCache | None = None,
     ):
         self.model = model
-        # A draft companion (`parent`: the target's cache) shares its target's lock.
+        # A draft companion shares its target's lock: one holder changes either trie at a time.
         self.lock = threading.RLock() if parent is None else parent.lock
         costs = capture_costs(model)
         self.trie = Trie()
-        self.slots = Slots(model, self.trie, lambda slot, tokens: self._before_forward(slot, tokens))
+        # A forward reaching a slot's caches makes room for its captures first (`before_forward`); the
+        # recorder is made below, from these slots, hence the late lookup.
+        self.slots = Slots(model, self.trie, lambda slot, tokens: self.recorder.before_forward(slot, tokens))
         self.layers = [i for i, c in enumerate(self.caches) if c is not None]
         target = None if parent is None else parent.budget
         self.budget = RamBudget(self.lock, self.slots, self.layers, costs, ram_budget, target)
@@ -107,9 +116,78 @@ class PrefixCache(Walk):
             disk,
             None if self.draft is None else self.draft.eviction,
         )
+        self.recorder = Recorder(
+            model,
+            self.lock,
+            self.trie,
+            self.slots,
+            self.budget,
+            self.eviction,
+            self.tiers,
+            self.layers,
+            store,
+        )
+        self.restorer = Restorer(
+            self,
+            self.trie,
+            self.slots,
+            self.recorder,
+            self.eviction,
+            self.tiers,
+            self.stats,
+            self.plan,
+            self.layers,
+            store,
+            self.draft,
+        )
         if disk is not None:
             self.tiers.adopt()
             self.eviction.enforce_budget()
+
+    def begin(self, tokens: list[int], draft: bool = False) -> Session:
+        """Restore the longest stored prefix of `tokens` (keeping ≥ 1 token to evaluate); with
+        `draft` and a draft companion, also the draft model's caches (`Session.draft`)."""
+        if not tokens:
+            raise ValueError("a session needs at least one token")
+        with self.lock:
+            return self.restorer.begin(tokens, draft)
+
+    def fork(self, session: Session) -> Session:
+        """A session for another choice of `session`'s request (n > 1), whose prefill has just ended,
+        in a slot of its own brought to the same state (`Restorer.fork`)."""
+        with self.lock:
+            return self.restorer.fork(session)
+
+    def _close(self, session: Session) -> None:
+        """`Session.close`: attach what `session` computed to the trie (`Recorder.close`)."""
+        self.recorder.close(session)
+
+    def _abandon(self, session: Session) -> None:
+        """`Session.abandon`: drop what `session` computed (`Recorder.abandon`)."""
+        self.recorder.abandon(session)
+
+    def _drop_hidden(self, session: Session) -> None:
+        """`Session.advance` without hidden states: drop those of the nodes `session` stored so far."""
+        self.recorder.drop_hidden(session)
+
+    def keep_budget(self) -> None:
+        """`Session.advance` after a prefill forward: evict if what is counted exceeds the RAM budget
+        (`Eviction.keep_budget`)."""
+        self.eviction.keep_budget()
+
+    def enforce_budget(
+        self, reserve: int = 0, keep: frozenset[int] = frozenset(), delete: bool = True
+    ) -> None:
+        """Keep the snapshots inside both budgets, with room for `reserve` more bytes in RAM, never
+        evicting the nodes with ids in `keep` (without `delete`: as far as demoting and compacting go);
+        see `Eviction.enforce_budget`."""
+        self.eviction.enforce_budget(reserve, keep, delete)
+
+    def persist(self) -> int:
+        """Write every node held in RAM to the disk tier, most valuable first, as far as the disk
+        budget allows (e.g. at shutdown, so that a restart over the same directory reuses them).
+        Returns the number of nodes written."""
+        return self.tiers.persist()
 
     @property
     def caches(self) -> list[LayerCache | None]:
@@ -127,24 +205,6 @@ class PrefixCache(Walk):
         self.slots.reserve(sessions)
         if self.draft is not None:
             self.draft.reserve(sessions)
-
-    def keep_budget(self) -> None:
-        """After a prefill forward: evict if what is counted exceeds the RAM budget (`Eviction`)."""
-        self.eviction.keep_budget()
-
-    def enforce_budget(
-        self, reserve: int = 0, keep: frozenset[int] = frozenset(), delete: bool = True
-    ) -> None:
-        """Keep the snapshots inside both budgets, with room for `reserve` more bytes in RAM, never
-        evicting the nodes with ids in `keep` (without `delete`: as far as demoting and compacting go);
-        see `Eviction.enforce_budget`."""
-        self.eviction.enforce_budget(reserve, keep, delete)
-
-    def persist(self) -> int:
-        """Write every node held in RAM to the disk tier, most valuable first, as far as the disk
-        budget allows (e.g. at shutdown, so that a restart over the same directory reuses them).
-        Returns the number of nodes written."""
-        return self.tiers.persist()
 
     def live_path(self) -> set[int]:
         """Ids of the nodes on every slot's live path (protected from eviction)."""
