@@ -20,6 +20,7 @@ from hybridlm.engine import Engine
 from hybridlm.engine.params import SamplingParams
 from hybridlm.prefix.cache import CapturePlan, PrefixCache, capture_costs
 from hybridlm.prefix.disk import DiskTier, model_fingerprint
+from hybridlm.prefix.tiers import Tiers
 from hybridlm.prefix.trie import Trie
 
 BUDGET = 16 << 20  # as the issue measured: one prompt's restore points fit, five at once do not
@@ -62,7 +63,7 @@ def test_ram_budget_holds_at_every_instant_of_concurrent_requests(
         checked.append(prefix.ram_bytes)
         return result
 
-    for cls, name in ((ScanCache, "put"), (KVCache, "update"), (Trie, "attach"), (PrefixCache, "_load")):
+    for cls, name in ((ScanCache, "put"), (KVCache, "update"), (Trie, "attach"), (Tiers, "load")):
         real = getattr(cls, name)
         monkeypatch.setattr(cls, name, lambda *a, _real=real, **k: check(_real(*a, **k)))
 

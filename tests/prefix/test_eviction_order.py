@@ -1,4 +1,4 @@
-"""`PrefixCache._delete`, the RAM budget's last resort, against a brute-force oracle: on random tries of
+"""`Eviction._delete`, the RAM budget's last resort, against a brute-force oracle: on random tries of
 RAM and disk nodes it deletes the same nodes in the same order as re-walking the trie for every victim
 (the least valuable eligible RAM node with no RAM node below, leaves first, ties to the node met first
 in `Trie.nodes` order), and stops as soon as the total fits."""
@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hybridlm.prefix.eviction as cache_mod
-from hybridlm.prefix.cache import PrefixCache
+from hybridlm.prefix.eviction import Eviction
 from hybridlm.prefix.trie import Node, Trie
 
 # Per node: (parent: index of an earlier node or -1 for the root, on disk, value, bytes, eligible).
@@ -74,13 +74,13 @@ def test_deletion_order_equals_a_fresh_walk_per_victim(spec, room):
     fake = types.SimpleNamespace(
         trie=trie,
         stats=types.SimpleNamespace(evicted_nodes=0),
-        _value=lambda n, now: spec[index[n.id]][2],
-        _remove_subtree=removed,
+        budget=types.SimpleNamespace(value=lambda n, now: spec[index[n.id]][2]),
+        tiers=types.SimpleNamespace(remove_subtree=removed),
     )
     size = lambda n: 0 if n.on_disk else spec[index[n.id]][3]  # noqa: E731
     original, cache_mod.budgeted = cache_mod.budgeted, size
     try:
-        left = PrefixCache._delete(fake, total, lambda n: spec[index[n.id]][4], room)
+        left = Eviction._delete(fake, total, lambda n: spec[index[n.id]][4], room)
     finally:
         cache_mod.budgeted = original
     assert got == want

@@ -21,11 +21,16 @@ Hidden log: a session whose every forward was handed the target's final-normed h
 hands them to the session (`Session.hidden`), so an MTP head can rebuild its context. The disk tier
 does not keep them (a demoted node's hidden log is dropped).
 
-Rooms, one job each, that `PrefixCache` is built from (sharing the state its `__init__` declares):
-`walk.py` matches and restores on begin and records on close; `accounting.py` counts bytes against
-the budget; `eviction.py` is the policy that keeps it; `tiers.py` moves nodes between RAM and disk.
-`session.py` holds what they share (`Session`, `Slot`, capture plan and costs, byte counts). This
-file holds the construction and the slots of live caches.
+Parts, one job each, that `PrefixCache` owns: objects it makes on construction, each handed the
+parts it works with, all made before it, so references point one way: `slots.py` the slots of live
+caches and what they read of the trie (`Slots`); `accounting.py` the bytes counted against the RAM
+budget (`RamBudget`); `tiers.py` moving nodes between RAM and disk, and out of the trie (`Tiers`);
+`eviction.py` the policy that keeps the budgets (`Eviction`); `record.py` what sessions compute,
+into the trie, and the shared store's edges (`Recorder`); `restore.py` begin and fork (`Restorer`,
+also handed the cache itself: its sessions' owner). A forward reaching a slot's caches calls the
+recorder through the cache (the slots come first). `session.py` holds what they share (`Session`,
+`Slot`, capture plan and costs, byte counts). This file holds the construction and the surface the
+engine, the sessions, the server and /metrics use.
 
 Restore of layer l to target t along path nodes n_0..n_k (each covering [start, end)): start from
 the deepest node whose start the cache can already reach — a live rewind inside the common prefix
@@ -39,22 +44,23 @@ from __future__ import annotations
 import threading
 
 from hybridlm.cache.base import LayerCache
-from hybridlm.cache.kv import KVCache
-from hybridlm.prefix.accounting import Accounting
+from hybridlm.prefix.accounting import RamBudget
 from hybridlm.prefix.disk import DiskTier
 from hybridlm.prefix.eviction import Eviction
+from hybridlm.prefix.record import Recorder
+from hybridlm.prefix.restore import Restorer
 from hybridlm.prefix.session import CacheStats, CapturePlan, Session, Slot, capture_costs, common_prefix
+from hybridlm.prefix.slots import Slots
 from hybridlm.prefix.store import StoreTier
 from hybridlm.prefix.tiers import Tiers
 from hybridlm.prefix.trie import Trie
-from hybridlm.prefix.walk import Walk
 
 # Importers of the cache reach its session types and helpers here too.
 __all__ = ["CacheStats", "CapturePlan", "PrefixCache", "Session", "Slot", "capture_costs", "common_prefix"]
 
 
-class PrefixCache(Walk, Accounting, Eviction, Tiers):
-    """The shared trie plus the live caches of one model: `max_sessions` slots of live caches, one per
+class PrefixCache:
+    """The shared trie plus the live caches of one model: `reserve(n)` slots of live caches, one per
     open session (a begin beyond them closes the oldest open session).
 
     ram_budget: bytes of snapshots held in host memory (None: unbounded). disk: an optional
@@ -63,9 +69,10 @@ class PrefixCache(Walk, Accounting, Eviction, Tiers):
     Valkey / Redis server shared by replicas): a prefix the trie lacks is read from it before a
     restore, and what a session computed is written to it after. draft: a speculative draft model
     (`CausalLM`) whose caches sessions restore too (`Session.draft`), within the same `ram_budget`.
+    parent: set on that draft companion only (the target's cache, made with `draft=`).
 
     The RAM budget holds at every instant: whatever adds snapshot bytes makes room first (see
-    "accounting"). `lock` guards the trie: the engine thread holds it while it changes the cache,
+    `RamBudget`). `lock` guards the trie: the engine thread holds it while it changes the cache,
     and a reader on another thread (/metrics) takes it to see a consistent total.
     """
 
@@ -77,80 +84,180 @@ class PrefixCache(Walk, Accounting, Eviction, Tiers):
         disk: DiskTier | None = None,
         draft=None,
         store: StoreTier | None = None,
+        parent: PrefixCache | None = None,
     ):
         self.model = model
-        self.lock = threading.RLock()
-        self.parent: PrefixCache | None = None  # set on a draft companion: the target's cache
-        self.costs = capture_costs(model)
-        self.max_sessions = 1
-        self.slots: list[Slot] = [self._new_slot()]
-        self._current = self.slots[0]
-        self._begun = 0
-        self.layers = [i for i, c in enumerate(self.caches) if c is not None]
+        # A draft companion shares its target's lock: one holder changes either trie at a time.
+        self.lock = threading.RLock() if parent is None else parent.lock
+        costs = capture_costs(model)
         self.trie = Trie()
-        # What each trie node counts against the RAM budget (`budgeted`), and their sum: kept as nodes
-        # change (`_recount`), so the budget checks every forward makes cost O(1), not a walk of the
-        # whole trie (thousands of nodes after hours of traffic).
-        self._counted: dict[int, int] = {}
-        self._trie_bytes = 0
-        self._released = 0  # bytes nodes stopped counting, ever (`released_bytes`)
-        self._compacted: set[int] = set()  # nodes whose snapshots compacting cannot shrink any more
-        self.ram_budget = ram_budget
+        # A forward reaching a slot's caches makes room for its captures first (`before_forward`); the
+        # recorder is made below, from these slots, hence the late lookup.
+        self.slots = Slots(model, self.trie, lambda slot, tokens: self.recorder.before_forward(slot, tokens))
+        self.layers = [i for i, c in enumerate(self.caches) if c is not None]
+        target = None if parent is None else parent.budget
+        self.budget = RamBudget(self.lock, self.slots, self.layers, costs, ram_budget, target)
         self.plan = plan or CapturePlan()
         self.stats = CacheStats()
         self.disk = disk
         self.store = store
-        self.draft = None if draft is None else PrefixCache(draft, ram_budget, self.plan)
+        self.tiers = Tiers(model, self.trie, self.slots, self.budget, self.stats, self.layers, disk)
+        self.draft = None if draft is None else PrefixCache(draft, ram_budget, self.plan, parent=self)
         if self.draft is not None:
-            self.draft.parent, self.draft.lock = self, self.lock
+            self.budget.draft = self.draft.budget
+        self.eviction = Eviction(
+            self.lock,
+            self.trie,
+            self.slots,
+            self.budget,
+            self.tiers,
+            self.stats,
+            self.layers,
+            disk,
+            None if self.draft is None else self.draft.eviction,
+        )
+        self.recorder = Recorder(
+            model,
+            self.lock,
+            self.trie,
+            self.slots,
+            self.budget,
+            self.eviction,
+            self.tiers,
+            self.layers,
+            store,
+        )
+        self.restorer = Restorer(
+            self,
+            self.trie,
+            self.slots,
+            self.recorder,
+            self.eviction,
+            self.tiers,
+            self.stats,
+            self.plan,
+            self.layers,
+            store,
+            self.draft,
+        )
         if disk is not None:
-            self._adopt()
-            self.enforce_budget()
+            self.tiers.adopt()
+            self.eviction.enforce_budget()
 
-    def _new_slot(self) -> Slot:
-        caches = self.model.make_caches(1)
-        for cache in caches:
-            if cache is not None:
-                cache.record = True
-                if isinstance(cache, KVCache):
-                    cache.shares_restores = True  # sessions restoring one node read its rows once
-        slot = Slot(caches)
-        stateful = [c for c in caches if c is not None]
-        if stateful:  # the first stateful layer is reached first in every forward
-            stateful[0].on_forward = lambda tokens: self._before_forward(slot, tokens)
-        return slot
+    def begin(self, tokens: list[int], draft: bool = False) -> Session:
+        """Restore the longest stored prefix of `tokens` (keeping ≥ 1 token to evaluate); with
+        `draft` and a draft companion, also the draft model's caches (`Session.draft`)."""
+        if not tokens:
+            raise ValueError("a session needs at least one token")
+        with self.lock:
+            return self.restorer.begin(tokens, draft)
+
+    def fork(self, session: Session) -> Session:
+        """A session for another choice of `session`'s request (n > 1), whose prefill has just ended,
+        in a slot of its own brought to the same state (`Restorer.fork`)."""
+        with self.lock:
+            return self.restorer.fork(session)
+
+    def _close(self, session: Session) -> None:
+        """`Session.close`: attach what `session` computed to the trie (`Recorder.close`)."""
+        self.recorder.close(session)
+
+    def _abandon(self, session: Session) -> None:
+        """`Session.abandon`: drop what `session` computed (`Recorder.abandon`)."""
+        self.recorder.abandon(session)
+
+    def _drop_hidden(self, session: Session) -> None:
+        """`Session.advance` without hidden states: drop those of the nodes `session` stored so far."""
+        self.recorder.drop_hidden(session)
+
+    def keep_budget(self) -> None:
+        """`Session.advance` after a prefill forward: evict if what is counted exceeds the RAM budget
+        (`Eviction.keep_budget`)."""
+        self.eviction.keep_budget()
+
+    def enforce_budget(
+        self, reserve: int = 0, keep: frozenset[int] = frozenset(), delete: bool = True
+    ) -> None:
+        """Keep the snapshots inside both budgets, with room for `reserve` more bytes in RAM, never
+        evicting the nodes with ids in `keep` (without `delete`: as far as demoting and compacting go);
+        see `Eviction.enforce_budget`."""
+        self.eviction.enforce_budget(reserve, keep, delete)
+
+    def persist(self) -> int:
+        """Write every node held in RAM to the disk tier, most valuable first, as far as the disk
+        budget allows (e.g. at shutdown, so that a restart over the same directory reuses them).
+        Returns the number of nodes written."""
+        return self.tiers.persist()
 
     @property
     def caches(self) -> list[LayerCache | None]:
         """The live caches of the slot used last (with one slot: the live caches)."""
-        return self._current.caches
+        return self.slots.caches
 
     @property
     def live(self) -> list[int]:
         """The tokens `caches` hold."""
-        return self._current.live
+        return self.slots.current.live
 
     def reserve(self, sessions: int) -> None:
         """Allow `sessions` open sessions at once (an engine running that many sequences); slots are
         made when first needed. The draft companion follows."""
-        self.max_sessions = max(self.max_sessions, sessions)
+        self.slots.reserve(sessions)
         if self.draft is not None:
             self.draft.reserve(sessions)
 
-    def _slot_for(self, keep: list[int]) -> Slot:
-        """A slot without an open session, preferring the one whose live path shares most with `keep`
-        (its rewind is free); a new slot while below `max_sessions`; else the oldest open session is
-        closed and its slot taken."""
-        idle = [s for s in self.slots if s.session is None]
-        if idle:
-            best = max(idle, key=lambda s: common_prefix(s.live, keep))
-            if common_prefix(best.live, keep) > 0 or len(self.slots) >= self.max_sessions:
-                return best
-        if len(self.slots) < self.max_sessions:
-            self.slots.append(self._new_slot())
-            return self.slots[-1]
-        if idle:
-            return idle[0]
-        oldest = min(self.slots, key=lambda s: s.opened)
-        oldest.session.close()
-        return oldest
+    def live_path(self) -> set[int]:
+        """Ids of the nodes on every slot's live path (protected from eviction)."""
+        return self.slots.live_path()
+
+    @property
+    def ram_budget(self) -> int | None:
+        """Bytes of snapshots held in host memory (None: unbounded); set it, then `enforce_budget`."""
+        return self.budget.ram_budget
+
+    @ram_budget.setter
+    def ram_budget(self, nbytes: int | None) -> None:
+        self.budget.ram_budget = nbytes
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes counted against the RAM budget: the trie's RAM snapshots (lazy ones at the size of
+        their rows) plus the running prefills' captures not yet kept."""
+        return self.budget.nbytes
+
+    @property
+    def ram_bytes(self) -> int:
+        """Bytes counted against the RAM budget: `nbytes` plus the draft companion's."""
+        return self.budget.ram_bytes
+
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes of captures the running requests have taken and not yet handed to the trie."""
+        return self.budget.pending_bytes
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Bytes the running requests hold outside the RAM budget (the draft companion's included)."""
+        return self.budget.pinned_bytes
+
+    @property
+    def released_bytes(self) -> int:
+        """Bytes the trie (and its draft companion's) stopped counting since it was made, ever growing."""
+        return self.budget.released_bytes
+
+    @property
+    def disk_bytes(self) -> int:
+        """Bytes of this cache's files on the disk tier (0 without one)."""
+        return 0 if self.disk is None else self.disk.nbytes
+
+    @property
+    def node_count(self) -> int:
+        return sum(1 for _ in self.trie.nodes())
+
+    @property
+    def ram_nodes(self) -> int:
+        return sum(1 for n in self.trie.nodes() if not n.on_disk)
+
+    @property
+    def disk_nodes(self) -> int:
+        return sum(1 for n in self.trie.nodes() if n.on_disk)

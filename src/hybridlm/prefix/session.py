@@ -1,6 +1,6 @@
-"""What the rooms of the prefix cache share: a `Session` (one request's use of a slot of live caches)
+"""What the parts of the prefix cache share: a `Session` (one request's use of a slot of live caches)
 and its `Slot`, the capture plan and what captures cost, and what nodes and snapshots count against
-the RAM budget. Below `cache.py` and its rooms; imports none of them."""
+the RAM budget. Below `cache.py` and its parts; imports none of them."""
 
 from __future__ import annotations
 
@@ -119,7 +119,7 @@ class Slot:
 class Session:
     """One request's use of a slot's live caches: restored to `cached`, then advanced by the engine."""
 
-    owner: Any  # the `PrefixCache` it belongs to (its rooms call back into it)
+    owner: Any  # the `PrefixCache` it belongs to (advance, close and abandon call back into it)
     slot: Slot
     prompt: list[int]
     cached: int

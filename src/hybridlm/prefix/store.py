@@ -427,70 +427,13 @@ def common_length(a: list[int], b: list[int]) -> int:
     return int(differ[0]) if len(differ) else n
 
 
-# ---- the prefix cache's use of the store ------------------------------------------------------
-def layer_fields(prefix) -> dict[int, dict]:
-    """The snapshot fields each stateful layer of `prefix`'s model must have in an entry."""
+def layer_fields(caches: list, layers: list[int]) -> dict[int, dict]:
+    """The snapshot fields each stateful layer (index in `layers`, its live cache in `caches`) must
+    have in an entry read for a model with those caches."""
     fields = {}
-    for i in prefix.layers:
-        cache = prefix.caches[i]
+    for i in layers:
+        cache = caches[i]
         fields[i] = (
             {"kind": "rows", "window": cache.window} if isinstance(cache, KVCache) else {"kind": "scan"}
         )
     return fields
-
-
-def import_longer(prefix, keep: list[int]) -> int:
-    """Before a restore: when the store holds a longer prefix of `keep` than `prefix`'s trie, read the
-    edges the trie lacks and attach them (as a session's pieces are attached), so the ordinary
-    restore plan uses them. Edges are read in order up to the first that fails. Returns the number
-    of tokens the store added to the trie's match."""
-    store = prefix.store
-    _, matched = prefix.trie.match(keep)
-    edges = store.find(keep)
-    if not edges:
-        return 0
-    last = edges[-1]
-    reach = last.start + common_length(last.tokens, keep[last.start :])
-    if reach <= matched:
-        return 0
-    wanted = layer_fields(prefix)
-    bounds, pieces, fed = [], [], []
-    on_path = frozenset(n.id for n in prefix.trie.match(keep)[0])
-    reserved = 0  # the edges read so far are counted nowhere yet: room for them all, and the next
-    for edge in edges:
-        if edge.end <= matched:
-            continue
-        reserved += prefix.span_cost(edge.start, [edge.end])
-        if not prefix.make_room(reserved, keep=on_path):
-            break
-        snaps = store.fetch(edge, wanted, prefix.model.device)
-        if snaps is None:
-            break
-        store.remember(edge.parent, edge.key)
-        if not bounds:
-            bounds, fed = [edge.start], list(keep[: edge.start])
-        pieces.append([snaps.get(i) for i in range(len(prefix.caches))])
-        bounds.append(edge.end)
-        fed.extend(edge.tokens)
-    if not pieces:
-        return 0
-    prefix._insert(fed, bounds, pieces)
-    _, now_matched = prefix.trie.match(keep)
-    return max(0, now_matched - matched)
-
-
-def publish_path(prefix, fed: list[int]) -> None:
-    """After a session: queue every RAM node along `fed` that the store does not have from this
-    replica yet, and tell the router that this replica holds those prefixes."""
-    store = prefix.store
-    path, matched = prefix.trie.match(fed)
-    nodes = [n for n in path if n.end <= matched]
-    if not nodes:
-        return
-    keys = prefix_keys(store.fingerprint, fed, [0] + [n.end for n in nodes])
-    for node in nodes:
-        parent, key = keys[node.start], keys[node.end]
-        if node.on_disk or store.known(parent, key):
-            continue
-        store.put(parent, key, node.start, node.tokens, {i: node.snaps[i] for i in prefix.layers})
-    store.publish([keys[n.end] for n in nodes])
