@@ -163,6 +163,13 @@ MALFORMED = {
     ],
     "gemma4": ['<|tool_call>call:f{a:<|"|>x}<tool_call|>', "<|tool_call>f{a:1}<tool_call|>"],
     "llama3_json": ['{"name": "f", "parameters": {"a": 1}', '{"name": 3}'],
+    "kimi": [
+        "<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>"
+        '{"a": }<|tool_call_end|><|tool_calls_section_end|>',
+        "<|tool_calls_section_begin|><|tool_call_begin|>f<|tool_call_argument_begin|>{}"
+        "<|tool_call_end|><|tool_calls_section_end|>",
+        "<|tool_calls_section_begin|>prose<|tool_calls_section_end|>",
+    ],
 }
 
 
@@ -174,6 +181,19 @@ def test_malformed_calls_come_back_as_content(name):
             assert parse(fmt, text, pieces) == (text, [])
         if name != "llama3_json":  # content before a call; Llama 3 calls are whole messages
             assert parse(fmt, "ok " + text) == ("ok " + text, [])
+
+
+def test_kimi_calls_keep_the_ids_the_model_wrote():
+    """Kimi's template writes a call's `functions.NAME:INDEX` id back into the history: the id the
+    client gets is that one, so the next turn shows the model its own ids."""
+    text = (
+        "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:3<|tool_call_argument_begin|>"
+        '{"city": "Oslo"}<|tool_call_end|><|tool_calls_section_end|>'
+    )
+    stream = ToolCallStream(FORMATS["kimi"], tool_functions(TOOLS))
+    (call,) = [p for p in stream.feed(text) + stream.close() if isinstance(p, ToolCall)]
+    assert (call.id, call.name) == ("functions.get_weather:3", "get_weather")
+    assert json.loads(call.arguments) == {"city": "Oslo"}
 
 
 def test_a_malformed_call_beside_good_ones_keeps_the_good_ones():

@@ -115,6 +115,28 @@ LLAMA3 = """{{- bos_token -}}
 
 {% endif -%}"""
 
+# Kimi K2 / Kimi-Linear: a section of calls, each id'd `functions.NAME:INDEX`, JSON arguments.
+KIMI = """{%- for m in messages -%}
+{%- if m.role == 'assistant' -%}
+<|im_assistant|>assistant<|im_middle|>{{ m.content or '' }}
+{%- if m.tool_calls -%}
+<|tool_calls_section_begin|>
+{%- for tc in m.tool_calls -%}
+<|tool_call_begin|>functions.{{ tc.function.name }}:{{ loop.index0 }}<|tool_call_argument_begin|>
+{{- tc.function.arguments | tojson }}<|tool_call_end|>
+{%- endfor -%}
+<|tool_calls_section_end|>
+{%- endif -%}
+<|im_end|>
+{%- elif m.role == 'tool' -%}
+<|im_system|>tool<|im_middle|>## Return of {{ m.tool_call_id }}
+{{ m.content }}<|im_end|>
+{%- else -%}
+<|im_{{ m.role }}|>{{ m.role }}<|im_middle|>{{ m.content }}<|im_end|>
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt %}<|im_assistant|>assistant<|im_middle|>{% endif -%}"""
+
 FAMILIES = {
     # family: (template, format name, special marker tokens, assistant turn start, assistant turn end)
     "qwen3.5": (
@@ -137,6 +159,24 @@ FAMILIES = {
         ["<|turn>", "<turn|>", "<|tool_call>", "<tool_call|>", '<|"|>', "<|channel>", "<channel|>"],
         "<|turn>model\n",
         "<turn|>",
+    ),
+    "kimi": (
+        KIMI,
+        "kimi",
+        [
+            "<|im_user|>",
+            "<|im_assistant|>",
+            "<|im_system|>",
+            "<|im_middle|>",
+            "<|im_end|>",
+            "<|tool_calls_section_begin|>",
+            "<|tool_calls_section_end|>",
+            "<|tool_call_begin|>",
+            "<|tool_call_argument_begin|>",
+            "<|tool_call_end|>",
+        ],
+        "<|im_assistant|>assistant<|im_middle|>",
+        "<|im_end|>",
     ),
     "llama3": (
         LLAMA3,

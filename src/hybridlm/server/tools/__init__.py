@@ -6,11 +6,12 @@ from __future__ import annotations
 from hybridlm.server.tools.base import ToolCall, ToolCallStream, ToolFormat, tool_functions
 from hybridlm.server.tools.gemma4 import Gemma4
 from hybridlm.server.tools.hermes import Hermes
+from hybridlm.server.tools.kimi import Kimi
 from hybridlm.server.tools.llama3_json import Llama3Json
 from hybridlm.server.tools.pythonic import Pythonic
 from hybridlm.server.tools.qwen_xml import QwenXml
 
-_ALL = (QwenXml(), Pythonic(), Gemma4(), Hermes(), Llama3Json())
+_ALL = (QwenXml(), Pythonic(), Gemma4(), Kimi(), Hermes(), Llama3Json())
 FORMATS: dict[str, ToolFormat] = {f.name: f for f in _ALL}
 
 
@@ -24,6 +25,8 @@ def detect(template: str | None) -> ToolFormat | None:
         return FORMATS["pythonic"]
     if "<|tool_call>" in template:
         return FORMATS["gemma4"]
+    if "<|tool_calls_section_begin|>" in template:
+        return FORMATS["kimi"]
     if "<tool_call>" in template:
         return FORMATS["hermes"]
     if '"parameters": ' in template and "<|start_header_id|>" in template:
