@@ -104,7 +104,7 @@ def test_openai_forced_tool_calls_streamed_accumulate_to_the_non_streamed(client
         "required" if choice == "required" else {"type": "function", "function": {"name": "get_time"}}
     )
     kw = dict(model=MODEL, messages=messages, tools=[WEATHER, TIME], tool_choice=tool_choice, temperature=0)
-    whole = client.chat.completions.create(max_tokens=80, parallel_tool_calls=False, **kw)
+    whole = client.chat.completions.create(max_tokens=200, parallel_tool_calls=False, **kw)
     choice0 = whole.choices[0]
     assert choice0.finish_reason == "tool_calls" and choice0.message.content is None
     calls = calls_of(choice0.message)
@@ -115,7 +115,7 @@ def test_openai_forced_tool_calls_streamed_accumulate_to_the_non_streamed(client
 
     streamed: dict[int, dict] = {}
     finish = None
-    for chunk in client.chat.completions.create(max_tokens=80, parallel_tool_calls=False, stream=True, **kw):
+    for chunk in client.chat.completions.create(max_tokens=200, parallel_tool_calls=False, stream=True, **kw):
         delta = chunk.choices[0].delta
         for tc in delta.tool_calls or []:
             entry = streamed.setdefault(tc.index, {"id": "", "name": "", "arguments": ""})
@@ -147,7 +147,7 @@ def test_openai_json_schema_output_validates(client):
             response_format=response_format,
             temperature=1.0,
             seed=seed,
-            max_tokens=100,
+            max_tokens=200,
         )
         assert reply.choices[0].finish_reason == "stop"
         jsonschema.validate(json.loads(reply.choices[0].message.content), PERSON)
@@ -234,7 +234,7 @@ def test_anthropic_tools_round_trip(claude):
     messages = unique("Weather in Oslo?")
     reply = claude.messages.create(
         model=MODEL,
-        max_tokens=80,
+        max_tokens=200,
         messages=messages,
         tools=tools,
         tool_choice={"type": "any"},
@@ -246,7 +246,7 @@ def test_anthropic_tools_round_trip(claude):
     jsonschema.validate(use[0].input, WEATHER_PARAMS)
     with claude.messages.stream(
         model=MODEL,
-        max_tokens=80,
+        max_tokens=200,
         messages=messages,
         tools=tools,
         tool_choice={"type": "any"},

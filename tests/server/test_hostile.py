@@ -74,6 +74,17 @@ def test_tiny_top_p_samples_the_top_token(server, auth, top_p):
     assert "".join(c["choices"][0]["text"] for c in chunks) == greedy.json()["choices"][0]["text"]
 
 
+def answered(raw: bytes) -> bool:
+    """Whether `raw` holds a whole response (its head and the body its Content-Length announces): read
+    by its length, as an HTTP client reads it, not to the connection's end (a refused chunked body
+    leaves the connection open until the server's body timeout)."""
+    head, sep, body = raw.partition(b"\r\n\r\n")
+    if not sep:
+        return False
+    fields = dict(line.lower().split(b":", 1) for line in head.split(b"\r\n")[1:] if b":" in line)
+    return b"content-length" in fields and len(body) >= int(fields[b"content-length"])
+
+
 def send_until_answered(server, auth, path: str, head: str, parts) -> httpx.Response:
     """POST over a raw socket: the head, then body parts until the server answers (a server that
     refuses a body early closes the connection; an HTTP client still writing would see a reset
@@ -91,7 +102,7 @@ def send_until_answered(server, auth, path: str, head: str, parts) -> httpx.Resp
             except (BrokenPipeError, ConnectionResetError):
                 break
         raw = b""
-        while chunk := s.recv(1 << 16):
+        while not answered(raw) and (chunk := s.recv(1 << 16)):
             raw += chunk
     head_bytes, _, body = raw.partition(b"\r\n\r\n")
     status = int(head_bytes.split(b" ", 2)[1])

@@ -92,7 +92,7 @@ def test_forced_tool_calls_streamed_and_not(client, choice):
         tools=[WEATHER, TIME, *HOSTED],
         tool_choice=tool_choice,
         temperature=0,
-        max_output_tokens=80,
+        max_output_tokens=200,
     )
     whole = client.responses.create(**kw)
     calls = [item for item in whole.output if item.type == "function_call"]
@@ -122,7 +122,7 @@ def test_json_schema_and_json_object_formats(client):
             text={"format": fmt},
             temperature=1.0,
             extra_body={"seed": seed},
-            max_output_tokens=100,
+            max_output_tokens=200,
         )
         assert reply.status == "completed"
         jsonschema.validate(json.loads(reply.output_text), PERSON)
@@ -141,7 +141,7 @@ def test_stored_responses_chain_through_the_cache(client):
         tool_choice="required",
         parallel_tool_calls=False,
         temperature=0,
-        max_output_tokens=80,
+        max_output_tokens=200,
         metadata={"session": "a"},
         user="tester",
         prompt_cache_key="k",
@@ -206,7 +206,7 @@ def test_codex_shaped_session_prefills_only_the_new_items(client):
         temperature=0,
         stream=True,
     )
-    events = list(client.responses.create(input=history, tool_choice="required", max_output_tokens=80, **kw))
+    events = list(client.responses.create(input=history, tool_choice="required", max_output_tokens=200, **kw))
     first = events[-1].response
     items = [e.item.model_dump(exclude_none=True) for e in events if e.type == "response.output_item.done"]
     call = next(i for i in items if i["type"] == "function_call")
