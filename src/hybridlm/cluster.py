@@ -21,6 +21,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+RAY_AGENT_PORT = 52365  # Ray's dashboard agent's default port
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -97,8 +99,12 @@ def ray_cluster(cpus: int = 3) -> Iterator[int]:
     import ray
     from ray import serve
 
-    port = free_port()
     ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
+    # Picked once Ray's own processes hold their ports, and never the port Ray's dashboard agent
+    # listens on by default: a proxy once failed to bind the free port 52365 the agent then took.
+    port = free_port()
+    while port == RAY_AGENT_PORT:
+        port = free_port()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         yield port
