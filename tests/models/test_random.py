@@ -1,5 +1,5 @@
-"""The random-checkpoint presets (`models.random`): each builds as its family, and the Qwen3.5-MoE and
-Nemotron-H presets have the sizes their comments and `bench forward --preset` help state."""
+"""The random-checkpoint presets (`models.random`): each builds as its family, and has the size its
+comment states (what `bench forward --preset` reports as its scale)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,15 @@ import torch
 
 from hybridlm.models.base import FAMILIES
 from hybridlm.models.moe import Experts, SparseMoE
-from hybridlm.models.random import NEMOTRON_H_1B, PRESETS, QWEN3_5_MOE_3B
+from hybridlm.models.random import (
+    GRANITE_4_0_H_3B,
+    KIMI_LINEAR_3B,
+    LFM2_MOE_4B,
+    LING_3_3B,
+    NEMOTRON_H_1B,
+    PRESETS,
+    QWEN3_5_MOE_3B,
+)
 
 
 def build(config: dict):
@@ -47,3 +55,29 @@ def test_the_nemotron_h_preset_holds_0_93_b_parameters_in_8b_s_layer_proportions
     total = sum(p.numel() for p in model.parameters())
     assert 0.90e9 < total < 0.95e9
     assert 0.70e9 < total - model.model.embed_tokens.weight.numel() < 0.75e9
+
+
+@pytest.mark.parametrize(
+    ("config", "total_b", "read_b"),
+    [
+        (GRANITE_4_0_H_3B, 3.70, 0.96),
+        (KIMI_LINEAR_3B, 3.83, 1.59),
+        (LING_3_3B, 3.54, 1.72),
+        (LFM2_MOE_4B, 4.06, 0.98),
+    ],
+    ids=["granite", "kimi_linear", "ling", "lfm2_moe"],
+)
+def test_each_scaled_moe_preset_holds_the_parameters_its_comment_states(config, total_b, read_b):
+    """Total parameters, and those a decode step reads (all but the unchosen experts and, when the LM
+    head has its own matrix, the embedding table), within 1 % of the comment's figures; the routed
+    experts are the family's `Experts` on every sparse layer."""
+    model = build(config)
+    stacks = [m for m in model.modules() if isinstance(m, Experts)]
+    assert stacks
+    e = config.get("num_experts") or config["num_local_experts"]
+    k = config["num_experts_per_tok"]
+    total = sum(p.numel() for p in model.parameters())
+    experts = sum(p.numel() for m in stacks for p in m.parameters())
+    read = total - experts * (e - k) / e - (0 if model.tied else model.model.embed_tokens.weight.numel())
+    assert total == pytest.approx(total_b * 1e9, rel=0.01)
+    assert read == pytest.approx(read_b * 1e9, rel=0.01)
