@@ -167,9 +167,12 @@ def test_routers_equal_transformers_qwen3_5_moe_lfm2_moe_and_deepseek_v3():
         torch.testing.assert_close(got_w.gather(1, order), want_w, rtol=1e-6, atol=1e-7)
 
 
-def dense_experts_reference(x, gate_up, down, index, weights, block: int | None = None) -> torch.Tensor:
-    """Every token through its own k experts, one at a time, in float64; with `block`, each
-    projection's input as the integer kernels multiply it: quantized to int8 per `block` inputs."""
+def dense_experts_reference(
+    x, first, down, index, weights, block: int | None = None, gated: bool = True
+) -> torch.Tensor:
+    """Every token through its own k experts, one at a time, in float64: silu(gate) · up (`first` the
+    gate / up rows), or relu(up)² (non-gated, `first` the up rows); with `block`, each projection's
+    input as the integer kernels multiply it: quantized to int8 per `block` inputs."""
 
     def seen(v: torch.Tensor) -> torch.Tensor:
         if block is None:
@@ -177,55 +180,67 @@ def dense_experts_reference(x, gate_up, down, index, weights, block: int | None 
         xq, xs = quantize_activations(v.to(torch.bfloat16)[None], block)
         return (xq.double().view(xs.shape[1], block) * xs.double()[0, :, None]).view(-1)
 
-    x, gate_up, down, weights = x.double(), gate_up.double(), down.double(), weights.double()
+    x, first, down, weights = x.double(), first.double(), down.double(), weights.double()
     out = torch.zeros_like(x)
     for t in range(x.shape[0]):
         for j, e in enumerate(index[t].tolist()):
-            gate, up = (gate_up[e] @ seen(x[t])).chunk(2)
-            out[t] += weights[t, j] * (down[e] @ seen(F.silu(gate) * up))
+            y = first[e] @ seen(x[t])
+            if gated:
+                gate, up = y.chunk(2)
+                hidden = F.silu(gate) * up
+            else:
+                hidden = F.relu(y) ** 2
+            out[t] += weights[t, j] * (down[e] @ seen(hidden))
     return out
 
 
-def random_experts(e: int, d: int, inter: int, seed: int) -> Experts:
-    experts = Experts(e, d, inter, "silu")
+def random_experts(e: int, d: int, inter: int, seed: int, gated: bool = True) -> Experts:
+    """Gated silu experts, or non-gated relu² ones (Nemotron's)."""
+    experts = Experts(e, d, inter, "silu" if gated else "relu2", gated=gated)
     gen = torch.Generator().manual_seed(seed)
-    experts.gate_up_proj.data = torch.randn(e, 2 * inter, d, generator=gen) * d**-0.5
+    rows = 2 * inter if gated else inter
+    getattr(experts, experts.first).data = torch.randn(e, rows, d, generator=gen) * d**-0.5
     experts.down_proj.data = torch.randn(e, d, inter, generator=gen) * inter**-0.5
     return experts
 
 
-def test_experts_equal_each_tokens_own_experts_computed_densely():
-    experts = random_experts(5, 16, 12, seed=1)
+@pytest.mark.parametrize("gated", [True, False])
+def test_experts_equal_each_tokens_own_experts_computed_densely(gated):
+    experts = random_experts(5, 16, 12, seed=1, gated=gated)
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(9, 16, generator=gen)
     weights, index = softmax_topk(torch.randn(9, 5, generator=gen), 2)
     got = experts(x, index, weights)
-    want = dense_experts_reference(x, experts.gate_up_proj, experts.down_proj, index, weights)
+    first = getattr(experts, experts.first)
+    want = dense_experts_reference(x, first, experts.down_proj, index, weights, gated=gated)
     torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5)
 
 
 def dequantized(experts: QuantExperts) -> tuple[torch.Tensor, torch.Tensor]:
-    """The quantized experts' weights as float64 stacks [E, 2·I, d], [E, d, I]."""
-    gate_up = torch.stack([q.dequantized(torch.float64) for q in experts.gate_up_proj])
-    return gate_up, torch.stack([q.dequantized(torch.float64) for q in experts.down_proj])
+    """The quantized experts' weights as float64 stacks [E, 2·I or I, d], [E, d, I]."""
+    first = torch.stack([q.dequantized(torch.float64) for q in getattr(experts, experts.first)])
+    return first, torch.stack([q.dequantized(torch.float64) for q in experts.down_proj])
 
 
+@pytest.mark.parametrize("gated", [True, False])
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 @pytest.mark.parametrize("tokens", [1, FEW_TOKENS, 40])  # decode, a verify pass, a prompt chunk
-def test_quantized_experts_equal_their_dequantized_weights_computed_densely(scheme, tokens):
-    """int8 / int4 experts (through the quantized kernels: decode, few-row and prompt paths) against
-    every token's own experts in float64 on the dequantized weights, the activations as the kernels
-    take them: bf16, or int8 per group where the rows take the integer kernel (int4 on AVX2)."""
-    experts = QuantExperts.from_experts(random_experts(6, 64, 64, seed=5), scheme)
-    assert {q.bits for q in [*experts.gate_up_proj, *experts.down_proj]} == {8 if scheme == "int8" else 4}
+def test_quantized_experts_equal_their_dequantized_weights_computed_densely(scheme, tokens, gated):
+    """int8 / int4 experts, gated and non-gated (through the quantized kernels: decode, few-row and
+    prompt paths) against every token's own experts in float64 on the dequantized weights, the
+    activations as the kernels take them: bf16, or int8 per group where the rows take the integer
+    kernel (int4 on AVX2)."""
+    experts = QuantExperts.from_experts(random_experts(6, 64, 64, seed=5, gated=gated), scheme)
+    firsts = getattr(experts, experts.first)
+    assert {q.bits for q in [*firsts, *experts.down_proj]} == {8 if scheme == "int8" else 4}
     gen = torch.Generator().manual_seed(tokens)
     x = torch.randn(tokens, 64, generator=gen).bfloat16()
     weights, index = softmax_topk(torch.randn(tokens, 6, generator=gen), 3)
     got = experts(x, index, weights).double()
-    first = experts.gate_up_proj[0]
+    first = firsts[0]
     integer = first._decodes_in_integers() or (tokens > FEW_TOKENS and integer_prefill())
     block = (first.group_size if first.bits == 4 else ACT_BLOCK) if integer else None
-    want = dense_experts_reference(x, *dequantized(experts), index, weights, block)
+    want = dense_experts_reference(x, *dequantized(experts), index, weights, block, gated)
     # bf16 rounding of the activations between the projections and of the output
     torch.testing.assert_close(got, want, rtol=0, atol=2e-2 * want.abs().max().item())
 
@@ -265,12 +280,13 @@ def test_a_step_reads_only_the_chosen_experts_each_once(quantized):
     assert torch.equal(got, want) and sorted(calls) == [2, 5, 6]
 
 
+@pytest.mark.parametrize("gated", [True, False])
 @pytest.mark.parametrize("scheme", ["bf16", "int4"])
 @pytest.mark.parametrize("tokens", [1, 8])  # a decode step, a batched step's rows
-def test_grouped_experts_give_each_experts_own_bits(scheme, tokens):
-    """Experts computed in two grouped kernel calls (bf16; int4 on the integer path, here as prompt
-    rows) equal each expert run on its own, bit for bit."""
-    experts = random_experts(8, 64, 64, seed=8).bfloat16().requires_grad_(False)
+def test_grouped_experts_give_each_experts_own_bits(scheme, tokens, gated):
+    """Experts, gated or not, computed in two grouped kernel calls (bf16; int4 on the integer path,
+    here as prompt rows) equal each expert run on its own, bit for bit."""
+    experts = random_experts(8, 64, 64, seed=8, gated=gated).bfloat16().requires_grad_(False)
     rows_kind = nullcontext()
     if scheme == "int4":
         if not integer_prefill():

@@ -22,8 +22,15 @@ from hybridlm.ops.native import FEW_TOKENS
 from hybridlm.ops.norms import GatedRMSNorm
 from hybridlm.ops.rope import Rotary, apply_rotary
 
+
+def relu2(x: torch.Tensor) -> torch.Tensor:
+    """relu(x)² (Nemotron-H's non-gated MLPs and experts)."""
+    return F.relu(x).square()
+
+
 ACTIVATIONS = {
     "silu": F.silu,
+    "relu2": relu2,
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "gelu": F.gelu,
 }

@@ -74,27 +74,42 @@ def dispatch(
     return out.to(x.dtype)
 
 
-def grouped_experts(act, gate_up: list, down: list, xs: list[torch.Tensor], products, product) -> list | None:
-    """Gated experts i on rows xs[i] (`gate_up[i]` [2·I, d] gate rows first, `down[i]` [d, I]) with
-    every gate / up product in one call, then every down product: `products(weights, inputs)` computes
-    them at once (None where it does not apply), `product(weight, rows)` one. None where the first call
-    does not apply (callers run the experts one by one)."""
-    first = products(gate_up, xs)
-    if first is None:
+def grouped_experts(
+    act, gated: bool, first: list, down: list, xs: list[torch.Tensor], products, product
+) -> list | None:
+    """Experts i on rows xs[i] (`first[i]` the gate / up rows [2·I, d], gate rows first, or the up rows
+    [I, d] of a non-gated expert; `down[i]` [d, I]) with every first product in one call, then every
+    down product: `products(weights, inputs)` computes them at once (None where it does not apply),
+    `product(weight, rows)` one. None where the first call does not apply (callers run the experts one
+    by one)."""
+    ys = products(first, xs)
+    if ys is None:
         return None
-    hidden = [elementwise_rows(act, gate) * up for gate, up in (y.chunk(2, dim=-1) for y in first)]
+    hidden = [activated(act, gated, y) for y in ys]
     ys = products(down, hidden)
     return ys if ys is not None else [product(w, h) for w, h in zip(down, hidden, strict=True)]
 
 
-class Experts(nn.Module):
-    """The routed experts, stored as transformers holds them: `gate_up_proj` [E, 2·I, d] (gate rows
-    first) and `down_proj` [E, d, I]."""
+def activated(act, gated: bool, y: torch.Tensor) -> torch.Tensor:
+    """An expert's hidden rows from its first product y: act(gate) · up of y's two halves (gated), or
+    act(y)."""
+    if not gated:
+        return elementwise_rows(act, y)
+    gate, up = y.chunk(2, dim=-1)
+    return elementwise_rows(act, gate) * up
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int, act: str):
+
+class Experts(nn.Module):
+    """The routed experts, stored as transformers holds them: gated (SwiGLU and the like)
+    `gate_up_proj` [E, 2·I, d] (gate rows first), or non-gated (Nemotron's relu² experts) `up_proj`
+    [E, I, d]; then `down_proj` [E, d, I]. `first` names the first projection."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, act: str, gated: bool = True):
         super().__init__()
-        self.num_experts, self.act_name = num_experts, act
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
+        self.num_experts, self.act_name, self.gated = num_experts, act, gated
+        self.first = "gate_up_proj" if gated else "up_proj"
+        rows = 2 * intermediate if gated else intermediate
+        self.register_parameter(self.first, nn.Parameter(torch.empty(num_experts, rows, hidden)))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
         self.act = ACTIVATIONS[act]
 
@@ -106,30 +121,32 @@ class Experts(nn.Module):
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert e on rows x [n, d] -> [n, d]."""
-        gate, up = linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
-        return linear(elementwise_rows(self.act, gate) * up, self.down_proj[e])
+        y = linear(x, getattr(self, self.first)[e])
+        return linear(activated(self.act, self.gated, y), self.down_proj[e])
 
     def grouped(self, es: list[int], xs: list[torch.Tensor]) -> list[torch.Tensor] | None:
-        """Experts es[i] on rows xs[i] as `expert` computes each, in two kernel calls (every gate / up
+        """Experts es[i] on rows xs[i] as `expert` computes each, in two kernel calls (every first
         product, then every down product: at decode a token's k experts would otherwise wake the
         threads 2·k times); None where the decode kernel does not take them (`linear_grouped`)."""
+        first = getattr(self, self.first)
         return grouped_experts(
-            self.act, [self.gate_up_proj[e] for e in es], [self.down_proj[e] for e in es], xs,
+            self.act, self.gated, [first[e] for e in es], [self.down_proj[e] for e in es], xs,
             lambda ws, rows: linear_grouped(rows, ws), lambda w, rows: linear(rows, w),
         )
 
 
 class QuantExperts(nn.Module):
     """Routed experts with int8 / int4 weights: per expert a `QuantLinear` in `gate_up_proj[e]`
-    ([2·I, d], gate rows first) and `down_proj[e]` ([d, I]), so every path of the quantized linear
-    layers serves them (the decode kernels on a token's experts, int8-activation GEMMs on prompt
-    chunks, row groups inside `rowwise`). A quantized checkpoint names their tensors
-    `experts.gate_up_proj.{e}.qweight` / `.scales` and likewise for `down_proj`."""
+    ([2·I, d], gate rows first; `up_proj[e]` [I, d] for non-gated experts) and `down_proj[e]` ([d, I]),
+    so every path of the quantized linear layers serves them (the decode kernels on a token's experts,
+    int8-activation GEMMs on prompt chunks, row groups inside `rowwise`). A quantized checkpoint names
+    their tensors `experts.gate_up_proj.{e}.qweight` / `.scales` and likewise for the others."""
 
-    def __init__(self, gate_up: list[QuantLinear], down: list[QuantLinear], act: str):
+    def __init__(self, first: list[QuantLinear], down: list[QuantLinear], act: str, gated: bool = True):
         super().__init__()
-        self.num_experts, self.act_name = len(gate_up), act
-        self.gate_up_proj = nn.ModuleList(gate_up)
+        self.num_experts, self.act_name, self.gated = len(first), act, gated
+        self.first = "gate_up_proj" if gated else "up_proj"
+        self.add_module(self.first, nn.ModuleList(first))
         self.down_proj = nn.ModuleList(down)
         self.act = ACTIVATIONS[act]
 
@@ -145,9 +162,10 @@ class QuantExperts(nn.Module):
             fits = scheme == "int8" or w.shape[1] % group_size == 0
             return QuantLinear.from_linear(layer, scheme if fits else "int8", group_size)
 
-        gate_up = [quantized(experts.gate_up_proj[e]) for e in range(experts.num_experts)]
+        first = getattr(experts, experts.first)
+        firsts = [quantized(first[e]) for e in range(experts.num_experts)]
         down = [quantized(experts.down_proj[e]) for e in range(experts.num_experts)]
-        return cls(gate_up, down, experts.act_name)
+        return cls(firsts, down, experts.act_name, experts.gated)
 
     def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [N, d], index / weights [N, k] -> [N, d] (see `dispatch`)."""
@@ -155,14 +173,15 @@ class QuantExperts(nn.Module):
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert e on rows x [n, d] -> [n, d]."""
-        gate, up = self.gate_up_proj[e](x).chunk(2, dim=-1)
-        return self.down_proj[e](elementwise_rows(self.act, gate) * up)
+        y = getattr(self, self.first)[e](x)
+        return self.down_proj[e](activated(self.act, self.gated, y))
 
     def grouped(self, es: list[int], xs: list[torch.Tensor]) -> list[torch.Tensor] | None:
         """Experts es[i] on rows xs[i] as `expert` computes each, in two kernel calls where they are int4
         layers on the integer path (`ops.quant.grouped_int4`); None otherwise."""
+        first = getattr(self, self.first)
         return grouped_experts(
-            self.act, [self.gate_up_proj[e] for e in es], [self.down_proj[e] for e in es], xs,
+            self.act, self.gated, [first[e] for e in es], [self.down_proj[e] for e in es], xs,
             grouped_int4, lambda layer, rows: layer(rows),
         )
 

@@ -18,17 +18,16 @@ Published checkpoints prefix tensors with `backbone.` and store experts one by o
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hybridlm.batch import Batch
 from hybridlm.models.base import CausalLM, Config, register
 from hybridlm.models.checkpoint import CheckpointError
-from hybridlm.models.layers import Attention
+from hybridlm.models.layers import Attention, relu2
 from hybridlm.models.mamba2 import Mamba2Mixer
-from hybridlm.models.moe import SIGMOID, Router, dispatch
+from hybridlm.models.moe import SIGMOID, Experts, Router
 from hybridlm.ops.elementwise import elementwise_rows
-from hybridlm.ops.linear import Linear, linear
+from hybridlm.ops.linear import Linear
 from hybridlm.ops.norms import rms_normalize
 from hybridlm.ops.rope import Rotary
 
@@ -61,10 +60,6 @@ def block_types(c: Config) -> list[str]:
     return list(kinds)
 
 
-def relu2(x: torch.Tensor) -> torch.Tensor:
-    return F.relu(x).square()
-
-
 class NemotronRMSNorm(nn.Module):
     """`weight · norm(x)` with the scale applied in float32 and one cast back."""
 
@@ -89,26 +84,6 @@ class Relu2MLP(nn.Module):
         return self.down_proj(elementwise_rows(relu2, self.up_proj(x)))
 
 
-class Relu2Experts(nn.Module):
-    """Routed non-gated experts: `up_proj` [E, I, d_in], `down_proj` [E, d_in, I]; tokens dispatched by
-    `moe.dispatch` (only the chosen experts run; a token's k outputs weighted in float32, summed in
-    expert order and rounded once, as transformers does)."""
-
-    def __init__(self, num_experts: int, dim: int, intermediate: int):
-        super().__init__()
-        self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate, dim))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, dim, intermediate))
-
-    def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x [N, d_in], index [N, k] expert ids, weights [N, k] float32 -> [N, d_in] in x's dtype."""
-        return dispatch(x, index, weights, self.expert)
-
-    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        """Expert e on rows x [n, d_in] -> [n, d_in] (`ops.linear.linear`: few bf16 rows take the
-        decode kernel)."""
-        return linear(elementwise_rows(relu2, linear(x, self.up_proj[e])), self.down_proj[e])
-
-
 class NemotronMoE(nn.Module):
     """Routed relu² experts (inside optional latent projections) plus the shared expert."""
 
@@ -122,7 +97,7 @@ class NemotronMoE(nn.Module):
             bias=True, n_group=c.get("n_group", 1), topk_group=c.get("topk_group", 1),
             scaling=c.get("routed_scaling_factor", 1.0), float32_logits=True,
         )
-        self.experts = Relu2Experts(c.n_routed_experts, latent or d, c.moe_intermediate_size)
+        self.experts = Experts(c.n_routed_experts, latent or d, c.moe_intermediate_size, "relu2", gated=False)
         self.shared_experts = Relu2MLP(d, c.moe_shared_expert_intermediate_size, bias)
         self.fc1_latent_proj = Linear(d, latent, bias=bias) if latent else None
         self.fc2_latent_proj = Linear(latent, d, bias=bias) if latent else None

@@ -26,9 +26,9 @@ A quantized checkpoint is a directory written by `save_quantized`:
     panels follow the CPU kernel's reads, where a 64-byte load is eight weights of 16 rows.
 
   Routed-expert stacks are quantized per expert and projection: ``X.gate_up_proj.{e}.qweight`` /
-  ``.scales`` and ``X.down_proj.{e}.qweight`` / ``.scales`` (`models.moe.QuantExperts`) in place of
-  the stacked ``X.gate_up_proj`` / ``X.down_proj``. Everything else (embedding table, norms,
-  convolutions, MoE routers) keeps the model's dtype;
+  ``.scales`` (``X.up_proj`` for non-gated experts) and ``X.down_proj.{e}.qweight`` / ``.scales``
+  (`models.moe.QuantExperts`) in place of the stacked ``X.gate_up_proj`` / ``X.down_proj``.
+  Everything else (embedding table, norms, convolutions, MoE routers) keeps the model's dtype;
   the source's ``mtp.*`` tensors are copied unchanged, so a multi-token-prediction head still loads.
 - the source's other files (tokenizer, chat template, generation config).
 
@@ -160,15 +160,17 @@ def _empty_experts(
     model: nn.Module, state: dict[str, torch.Tensor], source: dict[str, Path], root: Path
 ) -> tuple[str, ...]:
     """Swap each expert stack of the (meta) `model` whose tensors `state` holds quantized
-    (`experts.gate_up_proj.{e}.qweight`...) for the empty `QuantExperts` they describe; returns the
-    swapped stacks' name prefixes ("path.")."""
+    (`experts.gate_up_proj.{e}.qweight`, or `up_proj` for non-gated experts, ...) for the empty
+    `QuantExperts` they describe; returns the swapped stacks' name prefixes ("path.")."""
     done = []
     for path, parent, attr, experts in _experts_of(model):
-        if f"{path}.gate_up_proj.0.qweight" not in state:
+        first = experts.first
+        if f"{path}.{first}.0.qweight" not in state:
             continue
-        e, (inter2, d) = experts.num_experts, experts.gate_up_proj.shape[1:]
+        e, (rows, d) = experts.num_experts, getattr(experts, first).shape[1:]
+        inter = rows // 2 if experts.gated else rows
         layers = {}
-        for proj, shape in (("gate_up_proj", (inter2, d)), ("down_proj", (d, inter2 // 2))):
+        for proj, shape in ((first, (rows, d)), ("down_proj", (d, inter))):
             template = nn.Linear(shape[1], shape[0], bias=False)
             layers[proj] = []
             for j in range(e):
@@ -178,7 +180,8 @@ def _empty_experts(
                 q, scales = state[name + ".qweight"], state.get(name + ".scales")
                 what = f"{source[name + '.qweight']}: {name!r}"
                 layers[proj].append(_empty_layer(template, q, scales, what))
-        setattr(parent, attr, QuantExperts(layers["gate_up_proj"], layers["down_proj"], experts.act_name))
+        quant = QuantExperts(layers[first], layers["down_proj"], experts.act_name, experts.gated)
+        setattr(parent, attr, quant)
         done.append(path + ".")
     return tuple(done)
 
