@@ -30,31 +30,51 @@ def preset_dir(preset: str) -> Path:
     return cached_random_checkpoint(PRESETS[preset], base / "presets" / preset, preset)
 
 
-def weight_bytes_per_token(model) -> int:
+def routed_shares(model) -> dict[int, float]:
+    """id(tensor) -> the share of it a token uses, for the routed experts' weights (k of E: a step
+    reads only its tokens' chosen experts, `moe.dispatch`); tensors absent use all of themselves."""
+    from hybridlm.models.moe import Experts, QuantExperts
+
+    c = getattr(model, "config", None) or {}
+    k = next((c.get(key) for key in ("num_experts_per_tok", "num_experts_per_token", "top_k_experts")
+              if c.get(key)), None)
+    shares = {}
+    for m in model.modules():
+        if isinstance(m, (Experts, QuantExperts)) and k:
+            for t in (*m.parameters(), *m.buffers()):
+                shares[id(t)] = k / m.num_experts
+    return shares
+
+
+def weight_bytes_per_token(model, active: bool = True) -> int:
     """Bytes of weights a decode step reads: every parameter and quantized layer's buffers except
-    the embedding table (one row read), which a tied bf16 LM head reads whole (counted once)."""
+    the embedding table (one row read), which a tied bf16 LM head reads whole (counted once); the
+    routed experts at k of E (`active`; all of them with `active=False`, the weights' whole size)."""
     emb = model.model.embed_tokens.weight
     head_reads_table = getattr(model.lm_head, "weight", None) is emb
+    shares = routed_shares(model) if active else {}
     seen, total = {id(emb)}, emb.numel() * emb.element_size() if head_reads_table else 0
     for t in (*model.parameters(), *model.buffers()):
         if id(t) not in seen:
             seen.add(id(t))
-            total += t.numel() * t.element_size()
-    return total
+            total += t.numel() * t.element_size() * shares.get(id(t), 1.0)
+    return round(total)
 
 
 def prefill_flops_per_token(model) -> int:
-    """2 × weights used per prefill token (embedding lookup and LM head excluded)."""
+    """2 × weights used per prefill token (embedding lookup and LM head excluded; routed experts at
+    k of E)."""
     from hybridlm.ops.quant import QuantLinear
 
-    weights = 0
+    shares = routed_shares(model)
+    weights = 0.0
     for name, module in model.named_modules():
         if name.startswith(("lm_head", "model.embed_tokens")):
             continue
-        weights += sum(p.numel() for p in module.parameters(recurse=False))
+        weights += sum(p.numel() * shares.get(id(p), 1.0) for p in module.parameters(recurse=False))
         if isinstance(module, QuantLinear):
-            weights += module.in_features * module.out_features
-    return 2 * weights
+            weights += module.in_features * module.out_features * shares.get(id(module.qweight), 1.0)
+    return round(2 * weights)
 
 
 def integer_prefill(model) -> bool:
@@ -220,6 +240,7 @@ def main(args) -> int:
     integer = integer_prefill(model)
     rate = matmul_tflops(torch.int8 if integer else dtype, device)
     wbytes = weight_bytes_per_token(model)
+    all_bytes = weight_bytes_per_token(model, active=False)
     flops = prefill_flops_per_token(model)
     report = {
         "model": str(path),
@@ -231,6 +252,7 @@ def main(args) -> int:
         "matmul_tflops": rate,
         "matmul_dtype": "int8" if integer else str(dtype).removeprefix("torch."),
         "weight_bytes_per_token": wbytes,
+        "weight_bytes": all_bytes,
         "prefill_flops_per_token": flops,
         "prefill": {},
         "decode": {},
@@ -266,6 +288,8 @@ def main(args) -> int:
     gb, gflop = wbytes / 1e9, flops / 1e9
     weights = f"{report['quantize']} weights" if report["quantize"] else "weights"
     print(f"model: {gb:.3f} GB {weights} read per decode token, {gflop:.2f} GFLOP per prefill token")
+    if all_bytes != wbytes:
+        print(f"  (routed experts: the k of E a token chose; every expert counted: {all_bytes / 1e9:.3f} GB)")
     print(f"{'phase':<14}{'tok/s':>10}{'limit':>10}{'of limit':>10}")
     for length, r in report["prefill"].items():
         share = r["tok_s"] / r["limit_tok_s"]
