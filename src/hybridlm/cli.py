@@ -372,9 +372,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--preset",
         choices=sorted(PRESETS),
         default=None,
-        help="use a random-weight checkpoint of this published shape (written once to the cache dir; "
-        "qwen3.5-moe-3b: Qwen3.5-35B-A3B's layout scaled to 3.2 B parameters, 0.66 B read a token; "
-        "nemotron-h-1b: Nemotron-H-8B's layout scaled to 0.93 B parameters)",
+        help="use a random-weight checkpoint of this published shape (written once to the cache dir). "
+        "Scaled to a 24 GB machine: qwen3.5-moe-3b: Qwen3.5-35B-A3B's layout, 3.2 B parameters, 0.66 B "
+        "read a token; nemotron-h-1b: Nemotron-H-8B's, 26 layers, 0.93 B; granite-4.0-h-3b: "
+        "Granite-4.0-H-Tiny's, 20 of 40 layers, 3.7 B, 0.96 B read; kimi-linear-3b: Kimi-Linear-48B-A3B's, "
+        "12 of 27 layers, 32 of 256 experts, 3.8 B, 1.6 B read; ling-3-3b: Ling 3.0's, 12 layers, 32 of "
+        "512 experts, 3.5 B, 1.7 B read; lfm2-moe-4b: LFM2-8B-A1B's, 12 of 24 layers, 4.1 B, 0.98 B read",
     )
     f.add_argument(
         "--prefill", type=int, nargs="+", default=[512, 2048], help="prefill lengths (default 512 2048)"

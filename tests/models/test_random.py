@@ -1,11 +1,18 @@
 """The random-checkpoint presets (`models.random`): each builds as its family, and has the size its
-comment states (what `bench forward --preset` reports as its scale)."""
+comment states (what `bench forward --preset` reports as its scale); a family that publishes another
+layout than hybridlm's (Granite 4.0-H) is written in it."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
+from hybridlm.batch import Batch
+from hybridlm.models import load_model
 from hybridlm.models.base import FAMILIES
 from hybridlm.models.moe import Experts, SparseMoE
 from hybridlm.models.random import (
@@ -16,6 +23,8 @@ from hybridlm.models.random import (
     NEMOTRON_H_1B,
     PRESETS,
     QWEN3_5_MOE_3B,
+    random_state,
+    write_random_checkpoint,
 )
 
 
@@ -81,3 +90,28 @@ def test_each_scaled_moe_preset_holds_the_parameters_its_comment_states(config, 
     read = total - experts * (e - k) / e - (0 if model.tied else model.model.embed_tokens.weight.numel())
     assert total == pytest.approx(total_b * 1e9, rel=0.01)
     assert read == pytest.approx(read_b * 1e9, rel=0.01)
+
+
+def test_a_random_granite_checkpoint_has_the_published_names_and_loads_as_its_own_names_do(
+    checkpoints, tmp_path
+):
+    """Granite 4.0-H's random checkpoint is written in the published layout (what transformers saves,
+    and all llama.cpp's converter reads: the shared MLP's gate and up joined in `input_linear`), and
+    loads to the same model as the same tensors under hybridlm's own names."""
+    hf = checkpoints("granitemoehybrid_moe").path
+    config = json.loads((hf / "config.json").read_text())
+    published = write_random_checkpoint(config, tmp_path / "published")
+    assert tensor_names(published) == tensor_names(hf)
+    own = tmp_path / "own"
+    own.mkdir()
+    save_file(random_state(config), str(own / "model.safetensors"))
+    (own / "config.json").write_text(json.dumps(config))
+    assert tensor_names(own) != tensor_names(hf)
+    ids = Batch.single([3, 1, 4, 1, 5, 9, 2, 6])
+    a, b = (load_model(p, torch.float32, "cpu") for p in (published, own))
+    assert torch.equal(a(ids, a.make_caches(1), logits="all"), b(ids, b.make_caches(1), logits="all"))
+
+
+def tensor_names(checkpoint) -> set[str]:
+    with safe_open(str(checkpoint / "model.safetensors"), "pt") as f:
+        return set(f.keys())

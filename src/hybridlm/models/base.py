@@ -81,6 +81,13 @@ class CausalLM(nn.Module):
         """Rewrite loaded tensors into this implementation's layout (fused projections...)."""
         return state
 
+    @classmethod
+    def published(cls, state: dict[str, torch.Tensor], config: Config) -> dict[str, torch.Tensor]:
+        """This implementation's tensors in the layout the family's checkpoints are published in,
+        where other programs (llama.cpp's converter) read nothing else: `remap` and `convert` undone.
+        Families whose loader takes their own names back unchanged keep them."""
+        return state
+
     @property
     def tied(self) -> bool:
         return bool(self.config.get("tie_word_embeddings", False))

@@ -129,6 +129,24 @@ class GraniteMoeHybrid(CausalLM):
             state[prefix + "gate_proj.weight"], state[prefix + "up_proj.weight"] = gate, up
         return state
 
+    @classmethod
+    def published(cls, state: dict[str, torch.Tensor], config: Config) -> dict[str, torch.Tensor]:
+        """The shared MLP's gate and up joined back into `shared_mlp.input_linear`, the experts'
+        stacks and router under their published names."""
+        out = {}
+        for name, t in state.items():
+            if name.endswith(".mlp.up_proj.weight"):
+                continue
+            if name.endswith(".mlp.gate_proj.weight"):
+                t = torch.cat([t, state[name.replace(".gate_proj.", ".up_proj.")]])
+                name = name.replace(".gate_proj.", ".input_linear.")
+            for theirs, ours in RENAMES:
+                if ours in name:
+                    name = name.replace(ours, theirs)
+                    break
+            out[name] = t
+        return out
+
     def embed(self, batch: Batch) -> torch.Tensor:
         return self.model.embed_tokens(batch.input_ids) * self.config.get("embedding_multiplier", 1.0)
 

@@ -1,7 +1,9 @@
 """Random-weight checkpoints written by hybridlm itself (benchmarks, no transformers needed).
 
-The tensors have the names and shapes of the family's published checkpoints, so the files load
-exactly like a downloaded model.
+The tensors have the shapes of the family's published checkpoints and the names hybridlm's loader
+takes, which for most families are the published ones (or names llama.cpp's converter also reads);
+a family whose converter reads only its published layout writes that (`CausalLM.published`:
+Granite 4.0-H).
 """
 
 from __future__ import annotations
@@ -345,7 +347,8 @@ def write_random_checkpoint(config: dict, out: str | Path, seed: int = 0) -> Pat
     """Write config.json + model.safetensors (bf16) for `config` into `out`."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    state = random_state(config, seed)
+    cls = FAMILIES[config["model_type"]]
+    state = cls.published(random_state(config, seed), cls.text_config(config))
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
