@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridlm.ops import norms
-from hybridlm.ops.norms import GatedRMSNorm, OffsetRMSNorm, RMSNorm, rms_normalize
+from hybridlm.ops.norms import Float32RMSNorm, GatedRMSNorm, OffsetRMSNorm, RMSNorm, rms_normalize
 
 needs_kernel = pytest.mark.skipif(norms.NORM_KERNEL.get() is None, reason="norm kernel could not be built")
 
@@ -19,6 +19,8 @@ def composed(norm, x, gate=None):
         return norm.weight * rms_normalize(x, norm.eps).to(x.dtype)
     if isinstance(norm, OffsetRMSNorm):
         return (rms_normalize(x, norm.eps) * (1.0 + norm.weight.float())).to(x.dtype)
+    if isinstance(norm, Float32RMSNorm):
+        return (rms_normalize(x, norm.eps) * norm.weight.float()).to(x.dtype)
     y = norm.weight * rms_normalize(x, norm.eps).to(x.dtype)
     return (y * F.silu(gate.float())).to(x.dtype)
 
@@ -31,7 +33,7 @@ def make(cls, dim, dtype, seed):
 
 
 @needs_kernel
-@pytest.mark.parametrize("cls", [RMSNorm, OffsetRMSNorm, GatedRMSNorm])
+@pytest.mark.parametrize("cls", [RMSNorm, OffsetRMSNorm, GatedRMSNorm, Float32RMSNorm])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(1, 1, 64), (2, 3, 4, 24), (5, 7)])
 def test_fused_norm_equals_the_torch_composition(cls, dtype, shape, isa):
@@ -49,10 +51,12 @@ def test_fused_norm_equals_the_torch_composition(cls, dtype, shape, isa):
 
 
 @needs_kernel
-def test_fused_norm_matches_float64(isa):
-    norm = make(OffsetRMSNorm, 48, torch.float32, seed=3)
+@pytest.mark.parametrize(("cls", "offset"), [(OffsetRMSNorm, 1.0), (Float32RMSNorm, 0.0)])
+def test_fused_norm_matches_float64(isa, cls, offset):
+    norm = make(cls, 48, torch.float32, seed=3)
     x = torch.randn(4, 48)
-    ref = x.double() / x.double().pow(2).mean(-1, keepdim=True).add(1e-6).sqrt() * (1 + norm.weight.double())
+    scale = offset + norm.weight.double()
+    ref = x.double() / x.double().pow(2).mean(-1, keepdim=True).add(1e-6).sqrt() * scale
     torch.testing.assert_close(norm(x).double(), ref, atol=1e-5, rtol=1e-5)
 
 

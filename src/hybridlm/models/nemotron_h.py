@@ -12,7 +12,7 @@ layer) or `layers_block_type` (transformers 5):
 
 Published checkpoints prefix tensors with `backbone.` and store experts one by one; `remap` and
 `convert` bring them to `model.` and stacked `[E, out, in]` tensors. Multi-token-prediction weights
-(`mtp.*`) are ignored. Norms scale in float32 and cast once (`NemotronRMSNorm`).
+(`mtp.*`) are ignored. Norms scale in float32 and cast once (`Float32RMSNorm`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from hybridlm.models.mamba2 import Mamba2Mixer
 from hybridlm.models.moe import SIGMOID, Experts, Router
 from hybridlm.ops.elementwise import elementwise_rows
 from hybridlm.ops.linear import Linear
-from hybridlm.ops.norms import rms_normalize
+from hybridlm.ops.norms import Float32RMSNorm
 from hybridlm.ops.rope import Rotary
 
 # Older field names that transformers' NemotronHConfig also accepts, and the names read here.
@@ -58,18 +58,6 @@ def block_types(c: Config) -> list[str]:
     if bad:
         raise CheckpointError(f"layers_block_type: unknown layer kind {bad[0]!r}")
     return list(kinds)
-
-
-class NemotronRMSNorm(nn.Module):
-    """`weight · norm(x)` with the scale applied in float32 and one cast back."""
-
-    def __init__(self, dim: int, eps: float = 1e-5):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (rms_normalize(x, self.eps) * self.weight.float()).to(x.dtype)
 
 
 class Relu2MLP(nn.Module):
@@ -120,7 +108,7 @@ class NemotronBlock(nn.Module):
     def __init__(self, kind: str, mixer: nn.Module, hidden: int, eps: float):
         super().__init__()
         self.kind = kind
-        self.norm = NemotronRMSNorm(hidden, eps)
+        self.norm = Float32RMSNorm(hidden, eps)
         self.mixer = mixer
 
     @property
@@ -164,7 +152,7 @@ class NemotronH(CausalLM):
             else:
                 mixer = NemotronMoE(c)
             self.model.layers.append(NemotronBlock(kind, mixer, d, eps))
-        self.model.norm = NemotronRMSNorm(d, eps)
+        self.model.norm = Float32RMSNorm(d, eps)
         self.lm_head = Linear(d, c.vocab_size, bias=False)
 
     @classmethod

@@ -16,7 +16,7 @@ from torch import nn
 from hybridlm.ops.linear import rowwise_applies
 from hybridlm.ops.native import NativeKernel
 
-# The fused norms: csrc/norms.c; mode 0 RMSNorm, 1 OffsetRMSNorm, 2 GatedRMSNorm.
+# The fused norms: csrc/norms.c; mode 0 RMSNorm, 1 OffsetRMSNorm, 2 GatedRMSNorm, 3 Float32RMSNorm.
 _p, _i64 = ctypes.c_void_p, ctypes.c_int64
 NORM_KERNEL = NativeKernel(
     "rms_norm",
@@ -29,7 +29,7 @@ NORM_KERNEL = NativeKernel(
 # Above this many elements torch's vectorised, multi-threaded ops are as fast (prefill); at least
 # FEW_TOKENS rows of any model's width (hidden 8192; per-head q/k norms of 128 heads x 128).
 FUSED_MAX_NUMEL = 1 << 18
-RMS, OFFSET, GATED = 0, 1, 2
+RMS, OFFSET, GATED, FLOAT32 = 0, 1, 2, 3
 
 
 def fused_rms_norm(
@@ -90,6 +90,19 @@ class OffsetRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = fused_rms_norm(x, self.weight, self.eps, OFFSET)
         return y if y is not None else (rms_normalize(x, self.eps) * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class Float32RMSNorm(nn.Module):
+    """`weight * norm(x)` with the scale applied in float32 and one cast back (Nemotron-H)."""
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = fused_rms_norm(x, self.weight, self.eps, FLOAT32)
+        return y if y is not None else (rms_normalize(x, self.eps) * self.weight.float()).to(x.dtype)
 
 
 class GatedRMSNorm(nn.Module):

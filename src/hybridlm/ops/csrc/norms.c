@@ -1,5 +1,5 @@
 /* mode: 0 RMSNorm `w * r(norm)`, 1 OffsetRMSNorm `(1 + w) * norm`, 2 GatedRMSNorm
-   `r(w * r(norm)) * silu(gate)`; r() (`round_to`) rounds to the activation dtype (bf16 only), as the
+   `r(w * r(norm)) * silu(gate)`, 3 `w * norm` (Nemotron-H: the scale in float32); r() (`round_to`) rounds to the activation dtype (bf16 only), as the
    reference's `.to(x.dtype)` does.
 
    Every loop vectorizes: the sum of squares keeps LANES partial sums (element i goes to lane
@@ -38,6 +38,7 @@ static inline __attribute__((always_inline)) void norm_row(const void* x, const 
         const float v = load(x, base + i, is_bf16) * r, wi = load(w, i, is_bf16);
         float y;
         if (mode == 1) y = v * (1.f + wi);
+        else if (mode == 3) y = v * wi;
         else {
             y = wi * round_to(v, is_bf16);
             if (mode == 2) {
@@ -56,8 +57,18 @@ static inline __attribute__((always_inline)) void norm_row(const void* x, const 
 void hybridlm_rms_norm(const void* x, const void* w, const void* gate, void* out, int64_t N, int64_t D,
                        float eps, int mode, int is_bf16) {
     if (is_bf16) {
-        switch (mode) { case 0: ROWS(0, 1); break; case 1: ROWS(1, 1); break; default: ROWS(2, 1); }
+        switch (mode) {
+        case 0: ROWS(0, 1); break;
+        case 1: ROWS(1, 1); break;
+        case 3: ROWS(3, 1); break;
+        default: ROWS(2, 1);
+        }
     } else {
-        switch (mode) { case 0: ROWS(0, 0); break; case 1: ROWS(1, 0); break; default: ROWS(2, 0); }
+        switch (mode) {
+        case 0: ROWS(0, 0); break;
+        case 1: ROWS(1, 0); break;
+        case 3: ROWS(3, 0); break;
+        default: ROWS(2, 0);
+        }
     }
 }
