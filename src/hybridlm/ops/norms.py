@@ -92,13 +92,8 @@ class OffsetRMSNorm(nn.Module):
         return y if y is not None else (rms_normalize(x, self.eps) * (1.0 + self.weight.float())).to(x.dtype)
 
 
-class Float32RMSNorm(nn.Module):
+class Float32RMSNorm(RMSNorm):
     """`weight * norm(x)` with the scale applied in float32 and one cast back (Nemotron-H)."""
-
-    def __init__(self, dim: int, eps: float = 1e-5):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = fused_rms_norm(x, self.weight, self.eps, FLOAT32)
