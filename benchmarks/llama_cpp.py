@@ -333,8 +333,10 @@ def convert(tree: Path, hf: Path, out: Path, synthetic: bool) -> None:
     the converter takes its own fallback, config.json itself."""
     script = tree / "convert_hf_to_gguf.py"
     # hybridlm loads no multi-token-prediction head, and recent converters assert that a Qwen3.5 checkpoint
-    # without `mtp_num_hidden_layers` in its config (ours) has one unless told --no-mtp.
-    no_mtp = ["--no-mtp"] if '"--no-mtp"' in script.read_text() else []
+    # without `mtp_num_hidden_layers` in its config (ours) has one unless told --no-mtp; the converters
+    # of families without MTP refuse the flag.
+    qwen3_5 = json.loads((hf / "config.json").read_text()).get("model_type", "").startswith("qwen3_5")
+    no_mtp = ["--no-mtp"] if qwen3_5 and '"--no-mtp"' in script.read_text() else []
     sys.path[:0] = [str(tree), str(tree / "gguf-py")]
     argv = sys.argv
     sys.argv = [str(script), "--outtype", "bf16", *no_mtp, "--outfile", str(out), str(hf)]
