@@ -15,12 +15,12 @@ needs_kernel = pytest.mark.skipif(norms.NORM_KERNEL.get() is None, reason="norm 
 
 def composed(norm, x, gate=None):
     """The torch ops the module runs without the kernel."""
+    if isinstance(norm, Float32RMSNorm):  # an RMSNorm whose scale is applied before the cast
+        return (rms_normalize(x, norm.eps) * norm.weight.float()).to(x.dtype)
     if isinstance(norm, RMSNorm):
         return norm.weight * rms_normalize(x, norm.eps).to(x.dtype)
     if isinstance(norm, OffsetRMSNorm):
         return (rms_normalize(x, norm.eps) * (1.0 + norm.weight.float())).to(x.dtype)
-    if isinstance(norm, Float32RMSNorm):
-        return (rms_normalize(x, norm.eps) * norm.weight.float()).to(x.dtype)
     y = norm.weight * rms_normalize(x, norm.eps).to(x.dtype)
     return (y * F.silu(gate.float())).to(x.dtype)
 
