@@ -265,6 +265,12 @@ def cmd_bench_grammar(args) -> int:
     return grammar.main(args)
 
 
+def cmd_bench_kernels(args) -> int:
+    from hybridlm.bench import kernels
+
+    return kernels.main(args)
+
+
 def cmd_bench_serve(args) -> int:
     from hybridlm.bench import serve
 
@@ -405,6 +411,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_bench_args(g)
     g.set_defaults(func=cmd_bench_grammar)
+
+    kn = bench.add_parser(
+        "kernels",
+        help="each C kernel's GB/s or GOP/s at every ISA level this CPU runs, beside its limits",
+        description="Decode-shaped calls of each C kernel (bf16 / int8 / int4 matvec, the integer prompt "
+        "GEMM, the Gated DeltaNet and Mamba-2 steps, few-query attention) built for each -march level this "
+        "CPU runs, as GB/s of the bytes moved beside the measured read bandwidth (GOP/s beside the float32 "
+        "GEMM for the prompt GEMM).",
+    )
+    kn.add_argument("--levels", nargs="+", default=None, metavar="LEVEL",
+                    help="-march levels to build and time (default: every level this CPU runs, e.g. "
+                    "x86-64-v2 x86-64-v3 x86-64-v4 native)")
+    kn.add_argument("--quick", action="store_true", help="small operands and short timings (a check that "
+                    "every path runs; the rates then measure caches, not memory)")
+    add_bench_args(kn)
+    kn.set_defaults(func=cmd_bench_kernels)
 
     ql = bench.add_parser(
         "quality",
