@@ -26,6 +26,8 @@ from hybridlm.ops import gated_delta, linear, mamba2, quant
 from hybridlm.ops.native import built_for, isa_levels
 from hybridlm.ops.quant_gemm import integer_prefill, prompt_rows
 
+LAYERS = 8
+
 
 @dataclass
 class Case:
@@ -62,23 +64,28 @@ def best_seconds(fn: Callable[[], object], budget_s: float) -> float:
 
 def cases(quick: bool) -> list[Case]:
     """Decode-shaped calls of the published shapes' widths (Qwen3.5-0.8B's Gated DeltaNet and
-    attention, Nemotron-H-8B's Mamba-2) with batches chosen so the bytes exceed the caches."""
+    attention, Nemotron-H-8B's Mamba-2) with batches chosen so the bytes exceed the caches. A matvec
+    case calls `LAYERS` weights of 64 MiB in turn, as decode calls a model's layers, so each call
+    reads its weights from memory however large the last-level cache (512 MiB in all, the size
+    `bench.limits` reads its bandwidth with)."""
     g = torch.Generator().manual_seed(0)
-    scale = 8 if quick else 1
-    n, k = 4096 // scale, 8192 // scale  # 64 MiB of bf16 weights
-    w = (torch.randn(n, k, generator=g) * 0.02).bfloat16()
+    scale, layers = (8, 1) if quick else (1, LAYERS)
+    n, k = 4096 // scale, 8192 // scale  # 64 MiB of bf16 weights a layer
+    ws = [(torch.randn(n, k, generator=g) * 0.02).bfloat16() for _ in range(layers)]
     x1, x8 = torch.randn(1, k, generator=g).bfloat16(), torch.randn(8, k, generator=g).bfloat16()
+    weight_bytes = sum(w.nbytes for w in ws)
     out = [
-        Case("bf16 matvec, 1 row", lambda: linear.linear(x1, w), lambda: linear.KERNEL.get() is not None,
-             nbytes=w.nbytes),
-        Case("bf16 matvec, 8 rows", lambda: linear.linear(x8, w), lambda: linear.KERNEL.get() is not None,
-             nbytes=w.nbytes),
+        Case("bf16 matvec, 1 row", lambda: [linear.linear(x1, w) for w in ws],
+             lambda: linear.KERNEL.get() is not None, nbytes=weight_bytes),
+        Case("bf16 matvec, 8 rows", lambda: [linear.linear(x8, w) for w in ws],
+             lambda: linear.KERNEL.get() is not None, nbytes=weight_bytes),
     ]
     for scheme, cols, fn in (("int8", k, quant.INT8_KERNEL), ("int4", 2 * k, quant.INT4_KERNEL)):
-        layer = quant.QuantLinear.from_linear(nn.Linear(cols, n, bias=False).bfloat16(), scheme)
+        qs = [quant.QuantLinear.from_linear(nn.Linear(cols, n, bias=False).bfloat16(), scheme)
+              for _ in range(layers)]
         xq = torch.randn(1, cols, generator=g).bfloat16()
-        moved = layer.qweight.nbytes + layer.scales.nbytes
-        out.append(Case(f"{scheme} matvec, 1 row", lambda layer=layer, xq=xq: layer(xq),
+        moved = sum(q.qweight.nbytes + q.scales.nbytes for q in qs)
+        out.append(Case(f"{scheme} matvec, 1 row", lambda qs=qs, xq=xq: [q(xq) for q in qs],
                         lambda fn=fn: fn.get() is not None, nbytes=moved))
     rows, side = (64, 512) if quick else (512, 4096)
     for scheme in ("int8", "int4"):
