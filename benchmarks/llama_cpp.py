@@ -373,6 +373,16 @@ def run(cmd: list[str], what: str, **kwargs) -> subprocess.CompletedProcess:
     return done
 
 
+def checkpoint_identity(source: Path) -> dict:
+    """What tells one checkpoint from another under the same name: its config and the size and
+    modification time of each weights file."""
+    files = sorted(source.glob("*.safetensors"))
+    return {
+        "config": json.loads((source / "config.json").read_text()),
+        "weights": {f.name: [f.stat().st_size, f.stat().st_mtime_ns] for f in files},
+    }
+
+
 def prepare_ggufs(args, name: str, source: Path, kinds: list[str]) -> dict[str, Path]:
     """The GGUF of every weights kind in `kinds` of checkpoint `source`, converting and quantizing what
     --work lacks. Each step writes to a temporary name and renames when done, so an interrupted one
@@ -382,6 +392,13 @@ def prepare_ggufs(args, name: str, source: Path, kinds: list[str]) -> dict[str, 
         or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hybridlm" / "llama_cpp" / name
     )
     work.mkdir(parents=True, exist_ok=True)
+    # GGUFs of an earlier checkpoint under this name (a preset edited or rewritten) are stale
+    identity = json.dumps(checkpoint_identity(source), sort_keys=True)
+    if (work / "source.json").exists() and (work / "source.json").read_text() != identity:
+        progress(f"{source} changed since its GGUFs in {work} were made: converting again")
+        for path, _, _ in GGUFS.values():
+            (work / path).unlink(missing_ok=True)
+    (work / "source.json").write_text(identity)
     bf16 = work / GGUFS["bf16"][0]
     if not bf16.exists():
         with step(f"converting {source} to a bf16 GGUF ({bf16})"):

@@ -23,6 +23,7 @@ from hybridlm.models.random import (
     NEMOTRON_H_1B,
     PRESETS,
     QWEN3_5_MOE_3B,
+    cached_random_checkpoint,
     random_state,
     write_random_checkpoint,
 )
@@ -115,3 +116,17 @@ def test_a_random_granite_checkpoint_has_the_published_names_and_loads_as_its_ow
 def tensor_names(checkpoint) -> set[str]:
     with safe_open(str(checkpoint / "model.safetensors"), "pt") as f:
         return set(f.keys())
+
+
+def test_a_cached_preset_is_written_once_and_again_when_its_config_changes(checkpoints, tmp_path):
+    config = json.loads((checkpoints("granitemoehybrid_moe").path / "config.json").read_text())
+    out = tmp_path / "preset"
+    cached_random_checkpoint(config, out, "tiny")
+    first = (out / "model.safetensors").stat().st_mtime_ns
+    cached_random_checkpoint(config, out, "tiny")
+    assert (out / "model.safetensors").stat().st_mtime_ns == first
+    edited = {**config, "vocab_size": config["vocab_size"] + 8}
+    cached_random_checkpoint(edited, out, "tiny")
+    assert json.loads((out / "config.json").read_text())["vocab_size"] == edited["vocab_size"]
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert f.get_slice("model.embed_tokens.weight").get_shape()[0] == edited["vocab_size"]

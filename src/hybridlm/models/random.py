@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -355,9 +356,14 @@ def write_random_checkpoint(config: dict, out: str | Path, seed: int = 0) -> Pat
 
 
 def cached_random_checkpoint(config: dict, out: Path, name: str) -> Path:
-    """`out`, holding a random checkpoint of `config` written on first use (into a temporary
-    directory renamed into place, so a concurrent or interrupted writer never leaves half of one)."""
-    if not (out / "config.json").exists():
+    """`out`, holding a random checkpoint of `config` written on first use, and again when the
+    config changed since (into a temporary directory renamed into place, so a concurrent or
+    interrupted writer never leaves half of one)."""
+    written = out / "config.json"
+    if written.exists() and json.loads(written.read_text()) != json.loads(json.dumps(config)):
+        print(f"the {name} preset changed since {out} was written: writing it again", flush=True)
+        shutil.rmtree(out)
+    if not written.exists():
         print(f"writing a random {name} checkpoint to {out} ...", flush=True)
         tmp = out.with_name(out.name + f".tmp{os.getpid()}")
         write_random_checkpoint(config, tmp)
