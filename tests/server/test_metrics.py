@@ -32,7 +32,7 @@ def test_histogram_buckets_hold_the_observed_values():
         stats=stats,
         queue_depth=0,
         num_running=0,
-        max_running=1,
+        scheduler=SimpleNamespace(max_running=1),
         memory_occupancy=0.0,
         max_queue=4,
         context_length=64,

@@ -128,9 +128,6 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.max_queue = max_queue
         self.prefill_share = prefill_share
-        self.max_running = max_running
-        self.max_batch_tokens = max_batch_tokens
-        self.max_memory = max_memory if max_memory is not None else available_memory() // 2
         self.prefix = prefix
         # It allocates a sequence's caches: on this thread with more than one torch thread that would
         # make a second OpenMP pool beside the engine's, and every decode step would pay the futex
@@ -159,7 +156,7 @@ class Engine:
             self.stats,
             max_running,
             max_batch_tokens,
-            self.max_memory,
+            max_memory if max_memory is not None else available_memory() // 2,
             prefill_share,
         )
         self.step = Step(
@@ -210,8 +207,8 @@ class Engine:
                 f"prompt has {len(prompt_ids)} tokens, which leaves no room to generate within this "
                 f"server's context length of {self.context_length} tokens",
             )
-        if params.n > self.max_running:
-            limit = f"n must be <= {self.max_running} (the sequences this server runs at once)"
+        if params.n > self.scheduler.max_running:
+            limit = f"n must be <= {self.scheduler.max_running} (the sequences this server runs at once)"
             raise InvalidParameter("n", f"{limit}, got {params.n}")
         if any(t >= vocab for t in params.stop_token_ids):
             raise InvalidParameter("stop_token_ids", f"stop_token_ids must be < {vocab}")
@@ -274,7 +271,8 @@ class Engine:
     @property
     def memory_occupancy(self) -> float:
         """Share of `max_memory` the running sequences' admission reserved."""
-        return self.scheduler.reserved / self.max_memory if self.max_memory else 0.0
+        limit = self.scheduler.max_memory
+        return self.scheduler.reserved / limit if limit else 0.0
 
     def health_problem(self) -> str | None:
         """None while the engine serves; else why it cannot: its worker thread has ended, or it has

@@ -103,7 +103,9 @@ class EngineCollector(Collector):
         gauges = {
             "queue_depth": ("Requests waiting to be scheduled.", engine.queue_depth),
             "requests_running": ("Requests being prefilled or decoded.", engine.num_running),
-            "running_limit": ("Most sequences advanced together (--max-running).", engine.max_running),
+            "running_limit": (
+                "Most sequences advanced together (--max-running).", engine.scheduler.max_running
+            ),
             "slot_occupancy": (
                 "Fraction of the memory for running sequences' caches their admission reserved.",
                 engine.memory_occupancy,
