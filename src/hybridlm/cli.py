@@ -358,7 +358,8 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser(
         "bench",
         help="measure speed next to the machine's limits",
-        description="Benchmarks: `forward` (model speed beside the machine's limits), `quality` "
+        description="Benchmarks: `forward` (model speed beside the machine's limits), `kernels` (each C "
+        "kernel at every ISA level this CPU runs, beside its limits), `quality` "
         "(quantized against bf16 weights), `serve` (the HTTP server beside the engine alone), "
         "`concurrency` (many streaming clients at once), "
         "`multiturn` (prefix-cache reuse on chat / agent traces), `cluster` (those traces over replicas "
