@@ -26,6 +26,7 @@ from hybridlm.models.moe import (
     Router,
     SparseMoE,
     check_routing,
+    dispatch,
     sigmoid_topk,
     softmax_topk,
     stack_experts,
@@ -202,6 +203,27 @@ def random_experts(e: int, d: int, inter: int, seed: int, gated: bool = True) ->
     getattr(experts, experts.first).data = torch.randn(e, rows, d, generator=gen) * d**-0.5
     experts.down_proj.data = torch.randn(e, d, inter, generator=gen) * inter**-0.5
     return experts
+
+
+@pytest.mark.parametrize("tokens", [1, 8, 64])
+@pytest.mark.parametrize("weights_dtype", [torch.float32, torch.bfloat16])
+def test_dispatch_adds_a_tokens_outputs_in_ascending_expert_order_in_float32(tokens, weights_dtype):
+    """Bit for bit the definition: per token, from 0, each chosen expert's output times its weight
+    (in the weights' dtype) added in float32 in ascending expert order, rounded once."""
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, 48, generator=gen).bfloat16()
+    weights, index = softmax_topk(torch.randn(tokens, 12, generator=gen), 5)
+    weights = weights.to(weights_dtype)
+
+    def expert(e: int, rows: torch.Tensor) -> torch.Tensor:  # row-independent, distinct per expert
+        return (rows.float() * (e - 5.5) + e).bfloat16()
+
+    want = torch.zeros(tokens, 48)
+    for t in range(tokens):
+        for j in index[t].argsort().tolist():
+            e = int(index[t, j])
+            want[t] += (expert(e, x[t : t + 1])[0] * weights[t, j]).float()
+    assert torch.equal(dispatch(x, index, weights, expert), want.bfloat16())
 
 
 @pytest.mark.parametrize("gated", [True, False])
