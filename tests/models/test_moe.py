@@ -222,7 +222,7 @@ def test_dispatch_adds_a_tokens_outputs_in_ascending_expert_order_in_float32(tok
     for t in range(tokens):
         for j in index[t].argsort().tolist():
             e = int(index[t, j])
-            want[t] += (expert(e, x[t : t + 1])[0] * weights[t, j]).float()
+            want[t] += (expert(e, x[t : t + 1]) * weights[t, j : j + 1]).float()[0]
     assert torch.equal(dispatch(x, index, weights, expert), want.bfloat16())
 
 

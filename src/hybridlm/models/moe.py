@@ -58,19 +58,18 @@ def dispatch(
     hit, sizes = torch.unique_consecutive(flat[order], return_counts=True)
     tokens = order // k
     w = weights.reshape(-1)[order, None]
-    # Each expert's output is weighted in the routing weights' dtype, the k of a token summed in
-    # float32 and rounded once (transformers' default grouped_mm path does the same).
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     chosen, bounds = hit.tolist(), [0, *torch.cumsum(sizes, 0).tolist()]
-    rows = [tokens[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
-    inputs = [x[r] for r in rows]
+    inputs = [x[tokens[a:b]] for a, b in zip(bounds, bounds[1:], strict=False)]
     ys = experts(chosen, inputs) if experts is not None else None
     if ys is None:
         ys = [expert(e, xe) for e, xe in zip(chosen, inputs, strict=True)]
-    for r, y, a, b in zip(rows, ys, bounds, bounds[1:], strict=False):
-        # index_put_ accumulates serially: index_add_ opens a parallel region per expert, which
-        # cost milliseconds per call on a loaded 2-core machine. Either adds once per row.
-        out.index_put_((r,), (y * w[a:b]).float(), accumulate=True)
+    # Each expert's output is weighted in the routing weights' dtype, the k of a token summed in
+    # float32 and rounded once (transformers' default grouped_mm path does the same). One index_add_
+    # over every (token, expert) pair adds them in their order, by expert: a token's k outputs in
+    # ascending expert order, as one index_put_ per expert did (the same bits, tested against the
+    # definition; 1.5x faster for one token, 3x for 64, 1.3x for 512 of Kimi-Linear's width).
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    out.index_add_(0, tokens, (torch.cat(ys) * w).float())
     return out.to(x.dtype)
 
 
