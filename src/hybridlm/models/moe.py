@@ -53,13 +53,21 @@ def dispatch(
     inside `rowwise` in groups that give the same bits), and its k outputs are added in expert order.
     """
     k = index.shape[1]
-    flat = index.reshape(-1)
-    order = flat.argsort(stable=True)
-    hit, sizes = torch.unique_consecutive(flat[order], return_counts=True)
-    tokens = order // k
-    w = weights.reshape(-1)[order, None]
-    chosen, bounds = hit.tolist(), [0, *torch.cumsum(sizes, 0).tolist()]
-    inputs = [x[tokens[a:b]] for a, b in zip(bounds, bounds[1:], strict=False)]
+    if x.shape[0] == 1:
+        # One token (a decode step): its k experts in ascending order, without the pairs' sort.
+        chosen, picks = zip(*sorted(zip(index[0].tolist(), range(k), strict=True)), strict=True)
+        tokens = torch.zeros(k, dtype=torch.long, device=x.device)
+        w = weights[0, list(picks), None]
+        inputs = [x] * k
+    else:
+        flat = index.reshape(-1)
+        order = flat.argsort(stable=True)
+        hit, sizes = torch.unique_consecutive(flat[order], return_counts=True)
+        tokens = order // k
+        w = weights.reshape(-1)[order, None]
+        chosen, bounds = hit.tolist(), [0, *torch.cumsum(sizes, 0).tolist()]
+        inputs = [x[tokens[a:b]] for a, b in zip(bounds, bounds[1:], strict=False)]
+    chosen = list(chosen)
     ys = experts(chosen, inputs) if experts is not None else None
     if ys is None:
         ys = [expert(e, xe) for e, xe in zip(chosen, inputs, strict=True)]
