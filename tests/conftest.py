@@ -15,6 +15,17 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 os.environ.setdefault("HYBRIDLM_LOG_LEVEL", "WARNING")
 
 
+@pytest.fixture
+def single_thread():
+    """One intra-op thread, restored after: the tests' models are tiny (intra-op threads only add
+    synchronisation, which dominates on a busy machine), and kernels' results must not depend on the
+    thread count anyway (tested in tests/ops)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory):
     """Builds (once per session) random transformers checkpoints by name; see tests/oracles."""

@@ -47,15 +47,6 @@ def test_config_layout(demo_dir):
     assert config.eos_token_id in tok.eos_token_ids
 
 
-@pytest.fixture
-def single_thread():
-    # The model is tiny, so intra-op threads only add synchronisation, which dominates on a busy machine.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.usefixtures("single_thread")
 def test_transformers_loads_and_generates(demo_dir):
     model, info = transformers.Qwen3_5ForCausalLM.from_pretrained(

@@ -3,22 +3,13 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from hybridlm.bench import kernels
 from hybridlm.ops import linear, native
 from hybridlm.ops.native import isa_levels
 
 
-@pytest.fixture
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.mark.usefixtures("one_thread")
+@pytest.mark.usefixtures("single_thread")
 def test_every_kernel_is_timed_at_each_level_on_that_levels_build(monkeypatch):
     """Each case runs once per level, inside `built_for(level)` (so the ops take that build), and at
     `native` every case finds the kernel it is meant to time."""
