@@ -11,7 +11,6 @@ lacks the kernel runs what the callers then run (torch), and says so.
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -20,7 +19,7 @@ import torch
 from torch import nn
 
 from hybridlm.batch import Batch
-from hybridlm.bench.limits import matmul_tflops, memory_bandwidth_gbs
+from hybridlm.bench.limits import best_seconds, matmul_tflops, memory_bandwidth_gbs
 from hybridlm.ops import attention as attention_ops
 from hybridlm.ops import gated_delta, linear, mamba2, quant
 from hybridlm.ops.native import built_for, isa_levels
@@ -48,18 +47,6 @@ class Result:
     rate: float  # GB/s, or GOP/s where `unit` says
     unit: str
     native: bool
-
-
-def best_seconds(fn: Callable[[], object], budget_s: float) -> float:
-    """Fastest of repeated calls (after a warm-up) within `budget_s`; at least 3."""
-    fn()
-    best, start, runs = float("inf"), time.perf_counter(), 0
-    while runs < 3 or time.perf_counter() - start < budget_s:
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-        runs += 1
-    return best
 
 
 def cases(quick: bool) -> list[Case]:
@@ -143,7 +130,7 @@ def measure(levels: list[str], quick: bool, budget_s: float) -> list[Result]:
         for case in cases(quick):
             for level in levels:
                 with built_for(level):
-                    secs = best_seconds(case.run, budget_s)
+                    secs = best_seconds(case.run, torch.device("cpu"), budget_s)
                     native = case.kernel()
                 amount, unit = (case.ops, "GOP/s") if case.ops else (case.nbytes, "GB/s")
                 rate = amount / secs / 1e9

@@ -19,7 +19,9 @@ from hybridlm.ops.linear import float32_min_rows
 from hybridlm.ops.quant import QuantLinear
 from hybridlm.ops.quant_gemm import integer_prefill
 
-__all__ = ["decode_limit_tok_s", "matmul_tflops", "memory_bandwidth_gbs", "prefill_limit_tok_s"]
+__all__ = [
+    "best_seconds", "decode_limit_tok_s", "matmul_tflops", "memory_bandwidth_gbs", "prefill_limit_tok_s"
+]
 
 _BUDGET_S = 0.5
 
@@ -29,7 +31,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _best_seconds(fn: Callable[[], object], device: torch.device, budget_s: float = _BUDGET_S) -> float:
+def best_seconds(fn: Callable[[], object], device: torch.device, budget_s: float = _BUDGET_S) -> float:
     """Fastest of repeated ``fn()`` calls (after one warm-up) within ``budget_s``; at least 3 runs."""
     fn()
     _sync(device)
@@ -48,7 +50,7 @@ def _bandwidth(device: torch.device, threads: int) -> float:
     # Far larger than any last-level cache, so reads come from DRAM/HBM as decode's do.
     nbytes = (1 << 30) if device.type == "cuda" else (512 << 20)
     x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)  # ones(): pages resident now
-    return nbytes / _best_seconds(lambda: torch.dot(x, x), device) / 1e9
+    return nbytes / best_seconds(lambda: torch.dot(x, x), device) / 1e9
 
 
 @functools.cache
@@ -58,23 +60,23 @@ def _tflops(dtype: torch.dtype, device: torch.device, threads: int) -> float:
         if device.type == "cpu" and integer_prefill():
             layer = QuantLinear.from_linear(nn.Linear(n, n, bias=False).to(torch.bfloat16), "int8")
             x = torch.randn(n, n).to(torch.bfloat16)
-            return 2 * n**3 / _best_seconds(lambda: layer._forward_integer(x), device) / 1e12
+            return 2 * n**3 / best_seconds(lambda: layer._forward_integer(x), device) / 1e12
         a = torch.randint(-127, 128, (n, n), dtype=dtype, device=device)
         b = torch.randint(-127, 128, (n, n), dtype=dtype, device=device)
-        return 2 * n**3 / _best_seconds(lambda: torch._int_mm(a, b), device) / 1e12
+        return 2 * n**3 / best_seconds(lambda: torch._int_mm(a, b), device) / 1e12
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
     float32_rate = None
     if dtype is torch.bfloat16 and device.type == "cpu":
         # bf16 operands multiply exactly in float32, and `ops.linear` takes that path where it is faster
         a32, b32 = a.float(), b.float()
-        float32_rate = 2 * n**3 / _best_seconds(lambda: a32 @ b32, device) / 1e12
+        float32_rate = 2 * n**3 / best_seconds(lambda: a32 @ b32, device) / 1e12
         least = float32_min_rows()
         if least is not None and least <= n:
             # prompts never reach torch's bf16 GEMM here: on a CPU without bf16 instructions it can be
             # torch's scalar fallback, minutes for one n³ product
             return float32_rate
-    rate = 2 * n**3 / _best_seconds(lambda: a @ b, device) / 1e12
+    rate = 2 * n**3 / best_seconds(lambda: a @ b, device) / 1e12
     return rate if float32_rate is None else max(rate, float32_rate)
 
 

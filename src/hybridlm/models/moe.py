@@ -55,9 +55,10 @@ def dispatch(
     k = index.shape[1]
     if x.shape[0] == 1:
         # One token (a decode step): its k experts in ascending order, without the pairs' sort.
-        chosen, picks = zip(*sorted(zip(index[0].tolist(), range(k), strict=True)), strict=True)
+        pairs = sorted(zip(index[0].tolist(), range(k), strict=True))
+        chosen = [e for e, _ in pairs]
         tokens = torch.zeros(k, dtype=torch.long, device=x.device)
-        w = weights[0, list(picks), None]
+        w = weights[0, [j for _, j in pairs], None]
         inputs = [x] * k
     else:
         flat = index.reshape(-1)
@@ -67,7 +68,6 @@ def dispatch(
         w = weights.reshape(-1)[order, None]
         chosen, bounds = hit.tolist(), [0, *torch.cumsum(sizes, 0).tolist()]
         inputs = [x[tokens[a:b]] for a, b in zip(bounds, bounds[1:], strict=False)]
-    chosen = list(chosen)
     ys = experts(chosen, inputs) if experts is not None else None
     if ys is None:
         ys = [expert(e, xe) for e, xe in zip(chosen, inputs, strict=True)]
