@@ -303,17 +303,20 @@ def test_a_step_reads_only_the_chosen_experts_each_once(quantized):
 
 
 @pytest.mark.parametrize("gated", [True, False])
-@pytest.mark.parametrize("scheme", ["bf16", "int4"])
+@pytest.mark.parametrize("scheme", ["bf16", "int8", "int4", "int4-prompt"])
 @pytest.mark.parametrize("tokens", [1, 8])  # a decode step, a batched step's rows
 def test_grouped_experts_give_each_experts_own_bits(scheme, tokens, gated):
-    """Experts, gated or not, computed in two grouped kernel calls (bf16; int4 on the integer path,
-    here as prompt rows) equal each expert run on its own, bit for bit."""
+    """Experts, gated or not, computed in two grouped kernel calls (bf16, int8 and int4 on the decode
+    kernels; int4 on the integer path as prompt rows) equal each expert run on its own, bit for bit,
+    and so does the whole routed forward."""
     experts = random_experts(8, 64, 64, seed=8, gated=gated).bfloat16().requires_grad_(False)
     rows_kind = nullcontext()
-    if scheme == "int4":
+    if scheme == "int4-prompt":
         if not integer_prefill():
             pytest.skip("no integer kernels on this CPU")
         experts, rows_kind = QuantExperts.from_experts(experts, "int4"), prompt_rows()
+    elif scheme != "bf16":
+        experts = QuantExperts.from_experts(experts, scheme)
     gen = torch.Generator().manual_seed(tokens)
     x = torch.randn(tokens, 64, generator=gen).bfloat16()
     weights, index = softmax_topk(torch.randn(tokens, 8, generator=gen), 3)
@@ -322,7 +325,7 @@ def test_grouped_experts_give_each_experts_own_bits(scheme, tokens, gated):
         chosen, rows = [1, 4, 6], [x, x[:1], x]
         ys = experts.grouped(chosen, rows)
         assert ys is not None, "the grouped kernels did not take the experts"
-        assert all(torch.equal(y, experts.expert(e, r)) for y, e, r in zip(ys, chosen, rows, strict=True))
+        assert torch.equal(ys, torch.cat([experts.expert(e, r) for e, r in zip(chosen, rows, strict=True)]))
         experts.grouped = lambda es, rows: None  # one expert at a time
         assert torch.equal(got, experts(x, index, weights))
 

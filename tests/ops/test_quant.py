@@ -266,3 +266,28 @@ def test_layers_of_different_kinds_do_not_concatenate():
         QuantLinear.concat([_quantized(_layer(16, 128, False), s) for s in ("int8", "int4")])
     with pytest.raises(ValueError, match="add up"):
         _quantized(_layer(16, 128, False), "int8").split([8, 9])
+
+
+@needs_kernels
+@pytest.mark.parametrize("scheme", KERNEL_SCHEMES)
+@pytest.mark.parametrize("shape", [(37, 128), (64, 256)])
+def test_grouped_products_give_each_layers_own_bits(scheme, shape, isa):
+    """Several layers of one shape in one call (a token's experts) equal each layer's own call bit for
+    bit: one, several and the most decode rows, a short last panel / row block; an input of more
+    rows than the decode kernel takes (and not the integer path) is refused, not computed otherwise."""
+    n, k = shape
+    layers = [_quantized(_layer(n, k, bias=False, seed=i), scheme) for i in range(3)]
+    xs = [_x(rows, k, seed=rows) for rows in (1, 4, FEW_TOKENS)]
+    ys = quant_mod.grouped_quantized(layers, xs)
+    assert ys is not None
+    assert torch.equal(ys, torch.cat([q(x) for q, x in zip(layers, xs, strict=True)]))
+    many = _x(FEW_TOKENS + 1, k)
+    if not (layers[0]._decodes_in_integers() and layers[0]._integer_applies(many)):
+        assert quant_mod.grouped_quantized(layers[:1], [many]) is None
+
+
+def test_layers_of_different_kinds_are_not_grouped():
+    layers = [_quantized(_layer(16, 128, False), s) for s in ("int8", "int4")]
+    assert quant_mod.grouped_quantized(layers, [_x(1, 128)] * 2) is None
+    biased = [_quantized(_layer(16, 128, True), "int8")]
+    assert quant_mod.grouped_quantized(biased, [_x(1, 128)]) is None

@@ -28,8 +28,9 @@ from torch import nn
 from hybridlm.models.checkpoint import CheckpointError, take
 from hybridlm.models.layers import ACTIVATIONS
 from hybridlm.ops.elementwise import elementwise_rows
-from hybridlm.ops.linear import Linear, linear, linear_grouped
-from hybridlm.ops.quant import INT4_GROUP, QuantLinear, grouped_int4
+from hybridlm.ops.linear import Linear, linear, linear_grouped, rowwise_applies
+from hybridlm.ops.native import FEW_TOKENS
+from hybridlm.ops.quant import INT4_GROUP, QuantLinear, grouped_quantized
 
 SOFTMAX, SIGMOID = "softmax", "sigmoid"
 
@@ -39,12 +40,13 @@ def dispatch(
     index: torch.Tensor,
     weights: torch.Tensor,
     expert: Callable[[int, torch.Tensor], torch.Tensor],
-    experts: Callable[[list[int], list[torch.Tensor]], list[torch.Tensor] | None] | None = None,
+    experts: Callable[[list[int], list[torch.Tensor]], torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
     """Routed experts over tokens: x [N, d], index / weights [N, k] (expert ids; routing weights,
     float32 or x's dtype: each expert's output is multiplied in that dtype), `expert(e, rows)` the
     output [n, d] of expert e on rows [n, d] -> [N, d] in x's dtype. `experts(es, rows)`, where given,
-    computes every chosen expert at once with the bits `expert` gives each (None: it does not apply).
+    computes every chosen expert at once with the bits `expert` gives each, their outputs stacked
+    [Σ n, d] in the order of es (None: it does not apply).
 
     Tokens are grouped by expert and only the experts some token selected run, each once over all
     its tokens: at decode that reads exactly the k selected experts' weights, in a batched step or a
@@ -70,31 +72,38 @@ def dispatch(
         inputs = [x[tokens[a:b]] for a, b in zip(bounds, bounds[1:], strict=False)]
     ys = experts(chosen, inputs) if experts is not None else None
     if ys is None:
-        ys = [expert(e, xe) for e, xe in zip(chosen, inputs, strict=True)]
+        ys = torch.cat([expert(e, xe) for e, xe in zip(chosen, inputs, strict=True)])
     # Each expert's output is weighted in the routing weights' dtype, the k of a token summed in
     # float32 and rounded once (transformers' default grouped_mm path does the same). One index_add_
     # over every (token, expert) pair adds them in their order, by expert: a token's k outputs in
     # ascending expert order, as one index_put_ per expert did (the same bits, tested against the
     # definition; 1.5x faster for one token, 3x for 64, 1.3x for 512 of Kimi-Linear's width).
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    out.index_add_(0, tokens, (torch.cat(ys) * w).float())
+    out.index_add_(0, tokens, (ys * w).float())
     return out.to(x.dtype)
 
 
 def grouped_experts(
     act, gated: bool, first: list, down: list, xs: list[torch.Tensor], products, product
-) -> list | None:
+) -> torch.Tensor | None:
     """Experts i on rows xs[i] (`first[i]` the gate / up rows [2·I, d], gate rows first, or the up rows
     [I, d] of a non-gated expert; `down[i]` [d, I]) with every first product in one call, then every
-    down product: `products(weights, inputs)` computes them at once (None where it does not apply),
-    `product(weight, rows)` one. None where the first call does not apply (callers run the experts one
-    by one)."""
-    ys = products(first, xs)
-    if ys is None:
+    down product: `products(weights, inputs)` computes them at once ([Σ rows, out], each product's rows
+    after the one before; None where it does not apply), `product(weight, rows)` one. Returns the
+    experts' outputs so stacked, or None where the first call does not apply (callers run the experts
+    one by one)."""
+    y = products(first, xs)
+    if y is None:
         return None
-    hidden = [activated(act, gated, y) for y in ys]
-    ys = products(down, hidden)
-    return ys if ys is not None else [product(w, h) for w, h in zip(down, hidden, strict=True)]
+    sizes = [x.shape[0] for x in xs]
+    if y.shape[0] <= FEW_TOKENS or rowwise_applies(y):
+        # elementwise_rows computes each of these rows as alone: one call gives each expert's rows the
+        # bits of a call of its own, without a call per expert
+        hidden = activated(act, gated, y).split(sizes)
+    else:
+        hidden = [activated(act, gated, h) for h in y.split(sizes)]
+    out = products(down, hidden)
+    return out if out is not None else torch.cat([product(w, h) for w, h in zip(down, hidden, strict=True)])
 
 
 def activated(act, gated: bool, y: torch.Tensor) -> torch.Tensor:
@@ -131,8 +140,8 @@ class Experts(nn.Module):
         y = linear(x, getattr(self, self.first)[e])
         return linear(activated(self.act, self.gated, y), self.down_proj[e])
 
-    def grouped(self, es: list[int], xs: list[torch.Tensor]) -> list[torch.Tensor] | None:
-        """Experts es[i] on rows xs[i] as `expert` computes each, in two kernel calls (every first
+    def grouped(self, es: list[int], xs: list[torch.Tensor]) -> torch.Tensor | None:
+        """Experts es[i] on rows xs[i] as `expert` computes each, stacked [Σ rows, d], in two kernel calls (every first
         product, then every down product: at decode a token's k experts would otherwise wake the
         threads 2·k times); None where the decode kernel does not take them (`linear_grouped`)."""
         first = getattr(self, self.first)
@@ -183,13 +192,13 @@ class QuantExperts(nn.Module):
         y = getattr(self, self.first)[e](x)
         return self.down_proj[e](activated(self.act, self.gated, y))
 
-    def grouped(self, es: list[int], xs: list[torch.Tensor]) -> list[torch.Tensor] | None:
-        """Experts es[i] on rows xs[i] as `expert` computes each, in two kernel calls where they are int4
-        layers on the integer path (`ops.quant.grouped_int4`); None otherwise."""
+    def grouped(self, es: list[int], xs: list[torch.Tensor]) -> torch.Tensor | None:
+        """Experts es[i] on rows xs[i] as `expert` computes each, stacked [Σ rows, d], in two kernel calls where the quantized
+        kernels take them (`ops.quant.grouped_quantized`); None otherwise."""
         first = getattr(self, self.first)
         return grouped_experts(
             self.act, self.gated, [first[e] for e in es], [self.down_proj[e] for e in es], xs,
-            grouped_int4, lambda layer, rows: layer(rows),
+            grouped_quantized, lambda layer, rows: layer(rows),
         )
 
 

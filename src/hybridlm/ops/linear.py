@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridlm.ops.native import FEW_TOKENS, NativeKernel, ThreadFlag, int64_array
+from hybridlm.ops.native import FEW_TOKENS, NativeKernel, ThreadFlag, int64_array, row_pointers
 
 log = logging.getLogger(__name__)
 
@@ -149,11 +149,11 @@ def in_row_groups(x: torch.Tensor, group: int, fn, out_features: int) -> torch.T
     return out.reshape(*x.shape[:-1], out_features)
 
 
-def linear_grouped(xs: list[torch.Tensor], weights: list[torch.Tensor]) -> list[torch.Tensor] | None:
-    """``[linear(x, w) for x, w in zip(xs, weights)]`` without bias, every weight [out, in] of one shape,
-    in one kernel call (one parallel region instead of one per product: a token's routed experts),
-    each result with the bits `linear` gives it; None where the kernel would not take every product
-    (callers then run them one by one)."""
+def linear_grouped(xs: list[torch.Tensor], weights: list[torch.Tensor]) -> torch.Tensor | None:
+    """``torch.cat([linear(x, w) for x, w in zip(xs, weights)])`` without bias, every x [M_i, in], every
+    weight [out, in] of one shape, in one kernel call (one parallel region instead of one per product:
+    a token's routed experts): [Σ M_i, out], each product's rows with the bits `linear` gives them;
+    None where the kernel would not take every product (callers then run them one by one)."""
     fn = GROUPED_KERNEL.get()
     n, k = weights[0].shape
     if fn is None or not all(
@@ -161,18 +161,19 @@ def linear_grouped(xs: list[torch.Tensor], weights: list[torch.Tensor]) -> list[
     ):
         return None
     xs = [x if x.is_contiguous() else x.contiguous() for x in xs]
-    ys = [torch.empty((*x.shape[:-1], n), dtype=torch.bfloat16) for x in xs]
+    rows = [x.numel() // k for x in xs]
+    y = torch.empty((sum(rows), n), dtype=torch.bfloat16)
     fn(
         int64_array([x.data_ptr() for x in xs]),
-        int64_array([x.numel() // k for x in xs]),
+        int64_array(rows),
         int64_array([w.data_ptr() for w in weights]),
-        int64_array([y.data_ptr() for y in ys]),
+        row_pointers(y, rows),
         len(xs),
         n,
         k,
         torch.get_num_threads(),
     )
-    return ys
+    return y
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

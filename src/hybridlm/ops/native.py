@@ -30,6 +30,10 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -246,6 +250,16 @@ def int64_array(values) -> ctypes.Array:
     """`values` as a C int64 array, passed where a kernel takes a pointer: a few microseconds cheaper
     than a tensor (`torch.tensor` of a short list costs ~4 us), which counts in per-step calls."""
     return (ctypes.c_int64 * len(values))(*values)
+
+
+def row_pointers(y: torch.Tensor, rows: list[int]) -> ctypes.Array:
+    """The addresses of consecutive row blocks of y [Σ rows, N] (contiguous), `rows[i]` rows each, as a
+    C int64 array: where a grouped kernel writes product i's output."""
+    start, row_bytes, addresses = y.data_ptr(), y.shape[1] * y.element_size(), []
+    for m in rows:
+        addresses.append(start)
+        start += m * row_bytes
+    return int64_array(addresses)
 
 
 def split_args(splits, bounds, query_lens) -> tuple:

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridlm.ops.linear import in_row_groups, rowwise_applies
-from hybridlm.ops.native import FEW_TOKENS, NativeKernel
+from hybridlm.ops.native import FEW_TOKENS, NativeKernel, int64_array, row_pointers
 from hybridlm.ops.quant_gemm import (
     int4_prefill,
     int4_prefill_grouped,
@@ -42,7 +42,7 @@ from hybridlm.ops.quant_gemm import (
 )
 
 __all__ = [
-    "QUANTIZATIONS", "QuantLinear", "from_panels", "grouped_int4", "pack_int4", "quantize_", "to_panels",
+    "QUANTIZATIONS", "QuantLinear", "from_panels", "grouped_quantized", "pack_int4", "quantize_", "to_panels",
     "unpack_int4",
 ]
 
@@ -69,6 +69,15 @@ INT4_KERNEL = NativeKernel(
     "quant", "quant.c", "hybridlm_linear_int4",
     [_p, _i64, _p, _p, _int, _p, _p, _i64, _i64, _i64, _int], _int,
     fallback="dequantized F.linear",
+)
+INT8_GROUPED_KERNEL = NativeKernel(
+    "quant", "quant.c", "hybridlm_linear_int8_grouped", [_p, _p, _p, _p, _p, _i64, _i64, _i64, _int], _int,
+    fallback="one call per product",
+)
+INT4_GROUPED_KERNEL = NativeKernel(
+    "quant", "quant.c", "hybridlm_linear_int4_grouped",
+    [_p, _p, _p, _p, _int, _p, _i64, _i64, _i64, _i64, _int], _int,
+    fallback="one call per product",
 )
 DEQUANT_INT8 = NativeKernel(
     "quant", "quant.c", "hybridlm_dequant_int8", [_p, _p, _p, _i64, _i64, _i64, _int], None,
@@ -381,18 +390,49 @@ def quantize_(
     return module
 
 
-def grouped_int4(layers: list[QuantLinear], xs: list[torch.Tensor]) -> list[torch.Tensor] | None:
-    """``[layer(x) for layer, x in zip(layers, xs)]`` in one kernel call where every layer is int4 of
-    one shape without bias and every x [M, in] takes the integer path (`QuantLinear.forward`: prompt
-    rows, or int4 decode rows on a CPU whose integer kernel is the faster): the same bits; else None
+def _kind(layer: QuantLinear) -> tuple:
+    """What layers must share to be computed in one grouped call (read from ``_buffers``: the check runs
+    twice a MoE layer in decode, where ``nn.Module.__getattr__`` would cost a microsecond a name)."""
+    q, scales = layer._buffers["qweight"], layer._buffers["scales"]
+    return layer.bits, layer.group_size, q.shape, q.device, scales.dtype, layer._parameters.get("bias") is None
+
+
+def grouped_quantized(layers: list[QuantLinear], xs: list[torch.Tensor]) -> torch.Tensor | None:
+    """``torch.cat([layer(x) for layer, x in zip(layers, xs)])`` (every x [M_i, in]) in one kernel call
+    (one parallel region instead of one per product: a token's routed experts): [Σ M_i, out] with each
+    product's bits, where every layer is of one kind and shape without bias and every x takes one
+    path of `QuantLinear.forward`: the decode kernels (few bf16 rows), or int4's integer kernel
+    (prompt rows, or int4 decode rows on a CPU whose integer kernel is the faster); else None
     (callers run them one by one)."""
     first = layers[0]
-    if not all(
-        layer.bits == 4 and layer.bias is None and layer.qweight.shape == first.qweight.shape
-        and layer.group_size == first.group_size and layer.scales.dtype is first.scales.dtype
-        and x.dim() == 2 and (prompt_rows_on() or layer._decodes_in_integers()) and layer._integer_applies(x)
-        for layer, x in zip(layers, xs, strict=True)
-    ):
+    kind = _kind(first)
+    if not kind[-1] or any(_kind(q) != kind for q in layers[1:]) or any(x.dim() != 2 for x in xs):
         return None
-    return int4_prefill_grouped([x.contiguous() for x in xs], [layer.qweight for layer in layers],
-                                [layer.scales for layer in layers], first.group_size)
+    # Every layer is of the first's kind, so the first answers for each which path x takes.
+    if prompt_rows_on() or first._decodes_in_integers():
+        integer = [first._integer_applies(x) for x in xs]
+        if all(integer):
+            if first.bits == 8:
+                return None
+            return int4_prefill_grouped([x.contiguous() for x in xs], [q.qweight for q in layers],
+                                        [q.scales for q in layers], first.group_size)
+        if any(integer):
+            return None
+    fn = (INT8_GROUPED_KERNEL if first.bits == 8 else INT4_GROUPED_KERNEL).get()
+    if fn is None or not all(first._kernel_applies(x) for x in xs):
+        return None
+    xs = [x if x.is_contiguous() else x.contiguous() for x in xs]
+    rows = [x.shape[0] for x in xs]
+    y = xs[0].new_empty((sum(rows), first.out_features))
+    xp, yp, mp = int64_array([x.data_ptr() for x in xs]), row_pointers(y, rows), int64_array(rows)
+    qp = int64_array([q._buffers["qweight"].data_ptr() for q in layers])
+    sp = int64_array([q._buffers["scales"].data_ptr() for q in layers])
+    n, k, threads = first.out_features, first.in_features, torch.get_num_threads()
+    if first.bits == 8:
+        status = fn(xp, mp, qp, sp, yp, len(xs), n, k, threads)
+    else:
+        fp16 = int(kind[4] is torch.float16)
+        status = fn(xp, mp, qp, sp, fp16, yp, len(xs), n, k, first.group_size, threads)
+    if status:
+        raise MemoryError("the grouped quantized kernel could not allocate its float32 inputs")
+    return y

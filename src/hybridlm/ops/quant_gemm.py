@@ -31,7 +31,7 @@ from contextlib import AbstractContextManager
 
 import torch
 
-from hybridlm.ops.native import NativeKernel, ThreadFlag, int64_array
+from hybridlm.ops.native import NativeKernel, ThreadFlag, int64_array, row_pointers
 
 __all__ = [
     "int4_prefill", "int4_prefill_grouped", "int8_prefill", "prefill_applies", "prompt_rows",
@@ -182,19 +182,20 @@ def int4_prefill(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, g
 
 
 def int4_prefill_grouped(xs: list[torch.Tensor], qweights: list[torch.Tensor], scales: list[torch.Tensor],
-                         group_size: int) -> list[torch.Tensor] | None:
-    """``[int4_prefill(x, q, s, group_size, None) ...]`` over products of one shape (every qweight
-    [N, K / 2], every scales of one dtype) in one kernel call, each result with the bits `int4_prefill`
-    gives it; None when the kernel is not built."""
+                         group_size: int) -> torch.Tensor | None:
+    """``torch.cat([int4_prefill(x, q, s, group_size, None) ...])`` over products of one shape (every
+    qweight [N, K / 2], every scales of one dtype) in one kernel call: [Σ M_i, N], product i's rows
+    after product i - 1's, each with the bits `int4_prefill` gives it; None when the kernel is not
+    built."""
     fn = INT4_GROUPED.get()
     if fn is None:
         return None
     quantized = [_quantized(x, group_size) for x in xs]
     n, k = qweights[0].shape[0], xs[0].shape[1]
-    ys = [torch.empty(x.shape[0], n, dtype=torch.bfloat16) for x in xs]
+    y = torch.empty(sum(x.shape[0] for x in xs), n, dtype=torch.bfloat16)
     fn(int64_array([xq.data_ptr() for xq, _ in quantized]),
        int64_array([sc.data_ptr() for _, sc in quantized]), int64_array([x.shape[0] for x in xs]),
        int64_array([q.data_ptr() for q in qweights]),
        int64_array([s.data_ptr() for s in scales]), int(scales[0].dtype is torch.float16),
-       int64_array([y.data_ptr() for y in ys]), len(xs), n, k, group_size, torch.get_num_threads())
-    return ys
+       row_pointers(y, [x.shape[0] for x in xs]), len(xs), n, k, group_size, torch.get_num_threads())
+    return y

@@ -1,5 +1,6 @@
 /* quant.c on this ISA against float64: int8 (per-row scales) and int4 (groups of 32, panels of 16 rows,
-   a short last panel) decode products for 1..17 rows, each row equal to itself alone. */
+   a short last panel) decode products for 1..17 rows, each row equal to itself alone; grouped calls
+   (products of 1, 5 and 17 rows) equal to one call per product. */
 #include "quant.c"
 #include "check.h"
 
@@ -47,6 +48,26 @@ int main(void) {
                 expect_same(bits == 8 ? "int8" : "int4", y + m * N, one, N);
             }
         }
+    const int64_t ms[3] = {1, 5, 17};
+    const uint16_t* xs[3] = {x, x + K, x};
+    uint16_t* outs[3];
+    for (int p = 0; p < 3; p++) outs[p] = malloc(ms[p] * N * 2);
+    for (int bits = 8; bits >= 4; bits -= 4) {
+        const int8_t* q8s[3] = {q8, q8, q8};
+        const float* s8s[3] = {s8, s8, s8};
+        const uint8_t* q4s[3] = {(const uint8_t*)packed, (const uint8_t*)packed, (const uint8_t*)packed};
+        const uint16_t* s4s[3] = {panel_scales, panel_scales, panel_scales};
+        const int status = bits == 8 ? hybridlm_linear_int8_grouped(xs, ms, q8s, s8s, outs, 3, N, K, 2)
+                                     : hybridlm_linear_int4_grouped(xs, ms, q4s, s4s, 0, outs, 3, N, K, G, 2);
+        if (status) return 2;
+        for (int p = 0; p < 3; p++) {
+            const int alone = bits == 8 ? hybridlm_linear_int8(xs[p], ms[p], q8, s8, NULL, y, N, K, 1)
+                                        : hybridlm_linear_int4(xs[p], ms[p], (const uint8_t*)packed, panel_scales, 0,
+                                                               NULL, y, N, K, G, 1);
+            if (alone) return 2;
+            expect_same(bits == 8 ? "int8 grouped" : "int4 grouped", outs[p], y, ms[p] * N);
+        }
+    }
     printf(failures ? "FAILED\n" : "ok\n");
     return failures != 0;
 }

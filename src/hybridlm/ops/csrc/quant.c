@@ -300,6 +300,36 @@ static inline __attribute__((always_inline)) void tile_i4(const float* xf, int64
 }
 #endif
 
+/* Weight rows [n0, n0 + block) of an int8 product against its M input rows (xf, float32), then the
+   scale, bias and rounding: the unit of work of the single and the grouped kernels alike, so a product
+   has the same bits in both. */
+static void block_i8(const float* xf, int64_t M, const int8_t* q, const float* scale, const uint16_t* bias,
+                     uint16_t* y, int64_t N, int64_t K, int64_t n0, int block) {
+    const int rb = N - n0 < block ? (int)(N - n0) : block;
+    for (int64_t m0 = 0; m0 < M; m0 += MC8) {
+        const int mc = M - m0 < MC8 ? (int)(M - m0) : MC8;
+        float out[RB1][MC8];
+        /* constant (rb, mc) per call site, so the tile's loops unroll into registers */
+#define TILE8(rows, cols) tile_i8(xf + m0 * K, K, cols, q + n0 * K, rows, out)
+        if (rb == RB1 && mc == 1) TILE8(RB1, 1);
+        else if (rb == RB) {
+            switch (mc) { case 1: TILE8(RB, 1); break; case 2: TILE8(RB, 2); break; case 3: TILE8(RB, 3); break;
+                          default: TILE8(RB, MC8); }
+        } else {
+            tile_i8(xf + m0 * K, K, mc, q + n0 * K, rb, out);
+        }
+#undef TILE8
+        for (int r = 0; r < rb; r++) {
+            const float bv = bias ? bf16_to_f32(bias[n0 + r]) : 0.f;
+            for (int c = 0; c < mc; c++)
+                y[(m0 + c) * N + n0 + r] = f32_to_bf16(out[r][c] * scale[n0 + r] + bv);
+        }
+    }
+}
+
+/* Weight rows per block of an int8 product of M input rows. */
+static inline int block_rows_i8(int64_t M) { return M == 1 ? RB1 : RB; }
+
 /* x [M, K] bf16, q [N, K] int8, scale [N] float32, bias [N] bf16 or NULL, y [M, N] bf16. Returns 0 or
    -1 (out of memory). */
 int hybridlm_linear_int8(const uint16_t* x, int64_t M, const int8_t* q, const float* scale, const uint16_t* bias,
@@ -307,34 +337,57 @@ int hybridlm_linear_int8(const uint16_t* x, int64_t M, const int8_t* q, const fl
     float* xf = malloc((size_t)(M * K) * sizeof(float));
     if (!xf) return -1;
     for (int64_t i = 0; i < M * K; i++) xf[i] = bf16_to_f32(x[i]);
-    const int block = M == 1 ? RB1 : RB;
+    const int block = block_rows_i8(M);
     const int64_t nblocks = (N + block - 1) / block;
     #pragma omp parallel for schedule(static) num_threads(nthreads) if (N * K >= MIN_PARALLEL_BYTES)
-    for (int64_t b = 0; b < nblocks; b++) {
-        const int64_t n0 = b * block;
-        const int rb = N - n0 < block ? (int)(N - n0) : block;
-        for (int64_t m0 = 0; m0 < M; m0 += MC8) {
-            const int mc = M - m0 < MC8 ? (int)(M - m0) : MC8;
-            float out[RB1][MC8];
-            /* constant (rb, mc) per call site, so the tile's loops unroll into registers */
-#define TILE8(rows, cols) tile_i8(xf + m0 * K, K, cols, q + n0 * K, rows, out)
-            if (rb == RB1 && mc == 1) TILE8(RB1, 1);
-            else if (rb == RB) {
-                switch (mc) { case 1: TILE8(RB, 1); break; case 2: TILE8(RB, 2); break; case 3: TILE8(RB, 3); break;
-                              default: TILE8(RB, MC8); }
-            } else {
-                tile_i8(xf + m0 * K, K, mc, q + n0 * K, rb, out);
-            }
-#undef TILE8
-            for (int r = 0; r < rb; r++) {
-                const float bv = bias ? bf16_to_f32(bias[n0 + r]) : 0.f;
-                for (int c = 0; c < mc; c++)
-                    y[(m0 + c) * N + n0 + r] = f32_to_bf16(out[r][c] * scale[n0 + r] + bv);
-            }
-        }
-    }
+    for (int64_t b = 0; b < nblocks; b++) block_i8(xf, M, q, scale, bias, y, N, K, b * block, block);
     free(xf);
     return 0;
+}
+
+/* Tiles of an int4 product of M input rows: one input row takes tiles of 2 panels (more independent
+   sums to hide the FMA latency), more rows one panel against up to MC4 rows at a time (the sums fill
+   the registers); a short last panel is a tile of its own. */
+static inline int tile_panels_i4(int64_t M) { return M == 1 ? MP4 : 1; }
+static inline int64_t tiles_i4(int64_t M, int64_t N) {
+    const int tp = tile_panels_i4(M);
+    return (N / 16 + tp - 1) / tp + (N % 16 != 0);
+}
+
+/* Tile b of an int4 product (see tiles_i4) against its M input rows (xf, float32), then bias and
+   rounding: the unit of work of the single and the grouped kernels alike. */
+static void tile_rows_i4(const float* xf, int64_t M, const uint8_t* q, const uint16_t* scales, int fp16,
+                         const uint16_t* bias, uint16_t* y, int64_t N, int64_t K, int64_t G, int64_t b) {
+    const int tile_panels = tile_panels_i4(M);
+    const char* end = (const char*)q + N * (K / 2); /* the tiles read no further */
+    const int64_t full = N / 16;
+    /* the short last panel is the last tile, at panel `full` (not b * tile_panels: with two-panel tiles
+       and an odd number of full panels that would be one panel past it) */
+    const int short_tile = N % 16 != 0 && b == tiles_i4(M, N) - 1;
+    const int64_t p0 = short_tile ? full : b * tile_panels;
+    const int np = short_tile ? 1 : (full - p0 < tile_panels ? (int)(full - p0) : tile_panels);
+    const uint16_t tail = short_tile ? (uint16_t)((1u << (N % 16)) - 1) : 0;
+    const int64_t n0 = p0 * 16, width = tail ? N % 16 : 16;
+    const uint32_t* w = (const uint32_t*)(q + n0 * (K / 2));
+    const uint16_t* s = scales + n0 * (K / G);
+    for (int64_t m0 = 0; m0 < M; m0 += MC4) {
+        const int mc = M - m0 < MC4 ? (int)(M - m0) : MC4;
+        float acc[MP4 * MC4 * 16];
+        const float* xm = xf + m0 * K;
+        /* constant (np, mc) per call site, so the tile's loops unroll into registers */
+#define TILE4(panels, cols) tile_i4(xm, K, cols, w, s, fp16, G, panels, 0, end, acc)
+        if (tail) tile_i4(xm, K, mc, w, s, fp16, G, 1, tail, end, acc);
+        else if (np == MP4) TILE4(MP4, 1);
+        else TILE4_ROWS(mc);
+#undef TILE4
+        for (int p = 0; p < np; p++)
+            for (int c = 0; c < mc; c++)
+                for (int64_t i = 0; i < width; i++) {
+                    const int64_t n = n0 + p * 16 + i;
+                    const float bv = bias ? bf16_to_f32(bias[n]) : 0.f;
+                    y[(m0 + c) * N + n] = f32_to_bf16(acc[(p * mc + c) * 16 + i] + bv);
+                }
+    }
 }
 
 /* x [M, K] bf16, q [N, K / 2] packed int4 (see above), scales [N, K / G] bf16 (fp16 != 0: fp16),
@@ -344,40 +397,71 @@ int hybridlm_linear_int4(const uint16_t* x, int64_t M, const uint8_t* q, const u
     float* xf = malloc((size_t)(M * K) * sizeof(float));
     if (!xf) return -1;
     for (int64_t i = 0; i < M * K; i++) xf[i] = bf16_to_f32(x[i]);
-    /* one input row: tiles of 2 panels (more independent sums to hide the FMA latency); more rows: one
-       panel against up to MC4 rows at a time (the sums fill the registers) */
-    const int tile_panels = M == 1 ? MP4 : 1;
-    const char* end = (const char*)q + N * (K / 2); /* the tiles read no further */
-    const int64_t full = N / 16, ntiles = (full + tile_panels - 1) / tile_panels + (N % 16 != 0);
+    const int64_t ntiles = tiles_i4(M, N);
     #pragma omp parallel for schedule(static) num_threads(nthreads) if (N * K / 2 >= MIN_PARALLEL_BYTES)
-    for (int64_t b = 0; b < ntiles; b++) {
-        /* the short last panel is the last tile, at panel `full` (not b * tile_panels: with two-panel
-           tiles and an odd number of full panels that would be one panel past it) */
-        const int short_tile = N % 16 != 0 && b == ntiles - 1;
-        const int64_t p0 = short_tile ? full : b * tile_panels;
-        const int np = short_tile ? 1 : (full - p0 < tile_panels ? (int)(full - p0) : tile_panels);
-        const uint16_t tail = short_tile ? (uint16_t)((1u << (N % 16)) - 1) : 0;
-        const int64_t n0 = p0 * 16, width = tail ? N % 16 : 16;
-        const uint32_t* w = (const uint32_t*)(q + n0 * (K / 2));
-        const uint16_t* s = scales + n0 * (K / G);
-        for (int64_t m0 = 0; m0 < M; m0 += MC4) {
-            const int mc = M - m0 < MC4 ? (int)(M - m0) : MC4;
-            float acc[MP4 * MC4 * 16];
-            const float* xm = xf + m0 * K;
-            /* constant (np, mc) per call site, so the tile's loops unroll into registers */
-#define TILE4(panels, cols) tile_i4(xm, K, cols, w, s, fp16, G, panels, 0, end, acc)
-            if (tail) tile_i4(xm, K, mc, w, s, fp16, G, 1, tail, end, acc);
-            else if (np == MP4) TILE4(MP4, 1);
-            else TILE4_ROWS(mc);
-#undef TILE4
-            for (int p = 0; p < np; p++)
-                for (int c = 0; c < mc; c++)
-                    for (int64_t i = 0; i < width; i++) {
-                        const int64_t n = n0 + p * 16 + i;
-                        const float bv = bias ? bf16_to_f32(bias[n]) : 0.f;
-                        y[(m0 + c) * N + n] = f32_to_bf16(acc[(p * mc + c) * 16 + i] + bv);
-                    }
-        }
+    for (int64_t b = 0; b < ntiles; b++) tile_rows_i4(xf, M, q, scales, fp16, bias, y, N, K, G, b);
+    free(xf);
+    return 0;
+}
+
+/* The float32 copies of P products' inputs (xs[p] [ms[p], K] bf16) one after another, product p's from
+   element first[p]; NULL when out of memory. */
+static float* inputs_f32(const uint16_t* const* xs, const int64_t* ms, int64_t P, int64_t K, int64_t* first) {
+    int64_t rows = 0;
+    for (int64_t p = 0; p < P; p++) {
+        first[p] = rows * K;
+        rows += ms[p];
+    }
+    float* xf = malloc((size_t)(rows * K) * sizeof(float));
+    if (!xf) return NULL;
+    for (int64_t p = 0; p < P; p++)
+        for (int64_t i = 0; i < ms[p] * K; i++) xf[first[p] + i] = bf16_to_f32(xs[p][i]);
+    return xf;
+}
+
+/* The product whose units of work [start[p], start[p + 1]) hold unit i. */
+static inline int64_t product_of(const int64_t* start, int64_t i) {
+    int64_t p = 0;
+    while (start[p + 1] <= i) p++;
+    return p;
+}
+
+/* P independent int8 products of one shape in one parallel region (a token's routed experts: their
+   small matrices each cost a region's wake-up and barrier, and a Python call, more than their reads):
+   for p < P, ys[p] [ms[p], N] = xs[p] [ms[p], K] · (qs[p] · scales[p])ᵀ, no bias, every block computed
+   as hybridlm_linear_int8 computes it, so each product has its bits. Returns 0 or -1 (out of memory). */
+int hybridlm_linear_int8_grouped(const uint16_t* const* xs, const int64_t* ms, const int8_t* const* qs,
+                                 const float* const* scales, uint16_t* const* ys, int64_t P, int64_t N, int64_t K,
+                                 int nthreads) {
+    int64_t first[P], start[P + 1];
+    float* xf = inputs_f32(xs, ms, P, K, first);
+    if (!xf) return -1;
+    start[0] = 0;
+    for (int64_t p = 0; p < P; p++) start[p + 1] = start[p] + (N + block_rows_i8(ms[p]) - 1) / block_rows_i8(ms[p]);
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (P * N * K >= MIN_PARALLEL_BYTES)
+    for (int64_t i = 0; i < start[P]; i++) {
+        const int64_t p = product_of(start, i);
+        const int block = block_rows_i8(ms[p]);
+        block_i8(xf + first[p], ms[p], qs[p], scales[p], NULL, ys[p], N, K, (i - start[p]) * block, block);
+    }
+    free(xf);
+    return 0;
+}
+
+/* The int4 form of hybridlm_linear_int8_grouped: scales[p] [N, K / G] bf16 (fp16 != 0: fp16), every
+   tile computed as hybridlm_linear_int4 computes it. Returns 0 or -1 (out of memory). */
+int hybridlm_linear_int4_grouped(const uint16_t* const* xs, const int64_t* ms, const uint8_t* const* qs,
+                                 const uint16_t* const* scales, int fp16, uint16_t* const* ys, int64_t P, int64_t N,
+                                 int64_t K, int64_t G, int nthreads) {
+    int64_t first[P], start[P + 1];
+    float* xf = inputs_f32(xs, ms, P, K, first);
+    if (!xf) return -1;
+    start[0] = 0;
+    for (int64_t p = 0; p < P; p++) start[p + 1] = start[p] + tiles_i4(ms[p], N);
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (P * N * K / 2 >= MIN_PARALLEL_BYTES)
+    for (int64_t i = 0; i < start[P]; i++) {
+        const int64_t p = product_of(start, i);
+        tile_rows_i4(xf + first[p], ms[p], qs[p], scales[p], fp16, NULL, ys[p], N, K, G, i - start[p]);
     }
     free(xf);
     return 0;
