@@ -157,6 +157,11 @@ MALFORMED = {
         "<tool_call>\n<function=f>\n<parameter=a>\n1\n</function>\n</tool_call>",
         "<tool_call>\nnot xml\n</tool_call>",
     ],
+    "glm45": [
+        "<tool_call>f\n<arg_key>a</arg_key>\n1\n</tool_call>",
+        "<tool_call>f\n<arg_value>1</arg_value>\n</tool_call>",
+        "<tool_call>\n<arg_key>a</arg_key><arg_value>1</arg_value></tool_call>",
+    ],
     "pythonic": [
         "<|tool_call_start|>[f(1, 2)]<|tool_call_end|>",
         "<|tool_call_start|>[f(a=os.system)]<|tool_call_end|>",

@@ -137,6 +137,34 @@ KIMI = """{%- for m in messages -%}
 {%- endfor -%}
 {%- if add_generation_prompt %}<|im_assistant|>assistant<|im_middle|>{% endif -%}"""
 
+# Ling 3.0 (and GLM-4.5's calls): key / value pairs after the function's name, scalars as text,
+# other types as JSON; the turn markers of Ling's `<role>` templates.
+LING3 = """{%- for m in messages -%}
+{%- if m.role == 'assistant' -%}
+<role>ASSISTANT</role>{{ m.content or '' }}
+{%- for tc in m.tool_calls or [] -%}
+{%- if m.content or not loop.first %}{{ '\\n' }}{% endif -%}
+<tool_call>{{ tc.function.name }}
+{%- for k, v in tc.function.arguments | items %}
+<arg_key>{{ k }}</arg_key>
+<arg_value>{{ v if v is string else v | tojson }}</arg_value>
+{%- endfor %}
+</tool_call>
+{%- endfor -%}
+<|role_end|>
+{%- elif m.role == 'tool' -%}
+<role>OBSERVATION</role>
+<tool_response>
+{{ m.content }}
+</tool_response><|role_end|>
+{%- elif m.role == 'user' -%}
+<role>HUMAN</role>{{ m.content }}<|role_end|>
+{%- else -%}
+<role>{{ m.role | upper }}</role>{{ m.content }}<|role_end|>
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt %}<role>ASSISTANT</role>{% endif -%}"""
+
 FAMILIES = {
     # family: (template, format name, special marker tokens, assistant turn start, assistant turn end)
     "qwen3.5": (
@@ -177,6 +205,13 @@ FAMILIES = {
         ],
         "<|im_assistant|>assistant<|im_middle|>",
         "<|im_end|>",
+    ),
+    "ling3": (
+        LING3,
+        "glm45",
+        ["<role>", "</role>", "<|role_end|>", "<tool_call>", "</tool_call>"],
+        "<role>ASSISTANT</role>",
+        "<|role_end|>",
     ),
     "llama3": (
         LLAMA3,

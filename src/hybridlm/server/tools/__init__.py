@@ -3,6 +3,7 @@ chat template emits (never from the model's name)."""
 
 from __future__ import annotations
 
+from hybridlm.server.tools.arg_xml import ArgXml
 from hybridlm.server.tools.base import ToolCall, ToolCallStream, ToolFormat, tool_functions
 from hybridlm.server.tools.gemma4 import Gemma4
 from hybridlm.server.tools.hermes import Hermes
@@ -11,7 +12,7 @@ from hybridlm.server.tools.llama3_json import Llama3Json
 from hybridlm.server.tools.pythonic import Pythonic
 from hybridlm.server.tools.qwen_xml import QwenXml
 
-_ALL = (QwenXml(), Pythonic(), Gemma4(), Kimi(), Hermes(), Llama3Json())
+_ALL = (QwenXml(), ArgXml(), Pythonic(), Gemma4(), Kimi(), Hermes(), Llama3Json())
 FORMATS: dict[str, ToolFormat] = {f.name: f for f in _ALL}
 
 
@@ -21,6 +22,8 @@ def detect(template: str | None) -> ToolFormat | None:
         return None
     if "<function=" in template and "<parameter=" in template:
         return FORMATS["qwen3_xml"]
+    if "<arg_key>" in template:
+        return FORMATS["glm45"]
     if "<|tool_call_start|>" in template:
         return FORMATS["pythonic"]
     if "<|tool_call>" in template:

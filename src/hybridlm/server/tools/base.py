@@ -72,6 +72,20 @@ def is_text(schema) -> bool:
     return isinstance(schema, dict) and schema.get("type") == "string"
 
 
+def typed_value(text: str, schema: dict) -> object:
+    """A parameter's value written as text (the XML-like formats: strings raw, other types as JSON) as
+    the type its schema names (untyped: JSON if it parses, else text)."""
+    kind = schema.get("type") if isinstance(schema, dict) else None
+    if kind == "string":
+        return text
+    if kind == "boolean" and text.strip().lower() in ("true", "false"):
+        return text.strip().lower() == "true"
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
 def lark_string(text: str) -> str:
     """`text` as a Lark string literal."""
     return json.dumps(text, ensure_ascii=False)

@@ -13,7 +13,6 @@ Values are written as text (objects and arrays as JSON), so the parameter schema
 
 from __future__ import annotations
 
-import json
 import re
 
 from hybridlm.server.tools.base import (
@@ -24,23 +23,11 @@ from hybridlm.server.tools.base import (
     lark_string,
     marker,
     text_rule,
+    typed_value,
 )
 
 _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)</function>\s*", re.DOTALL)
 _PARAMETER = re.compile(r"\s*<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>\s*", re.DOTALL)
-
-
-def _value(text: str, schema: dict) -> object:
-    """A parameter's text as the type its schema names (untyped: JSON if it parses, else text)."""
-    kind = schema.get("type") if isinstance(schema, dict) else None
-    if kind == "string":
-        return text
-    if kind == "boolean" and text.strip().lower() in ("true", "false"):
-        return text.strip().lower() == "true"
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return text
 
 
 class QwenXml(ToolFormat):
@@ -59,7 +46,7 @@ class QwenXml(ToolFormat):
             if p.start() != at:
                 return None
             key = p.group(1).strip()
-            args[key] = _value(p.group(2), props.get(key, {}))
+            args[key] = typed_value(p.group(2), props.get(key, {}))
             at = p.end()
         if body[at:].strip():
             return None
