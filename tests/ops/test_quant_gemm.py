@@ -129,7 +129,7 @@ def test_grouped_int4_products_give_each_products_own_bits(n, fp16, integer_isa)
     xs = [_x(rows, 128, seed=rows) for rows in (1, 4, 9)]
     group = layers[0].group_size
     ys = int4_prefill_grouped(xs, [q.qweight for q in layers], [q.scales for q in layers], group)
-    alone = [int4_prefill(x, q.qweight, q.scales, q.group_size, None) for x, q in zip(xs, layers, strict=True)]
+    alone = [int4_prefill(x, q.qweight, q.scales, group, None) for x, q in zip(xs, layers, strict=True)]
     assert torch.equal(ys, torch.cat(alone))
 
 

@@ -141,9 +141,10 @@ class Experts(nn.Module):
         return linear(activated(self.act, self.gated, y), self.down_proj[e])
 
     def grouped(self, es: list[int], xs: list[torch.Tensor]) -> torch.Tensor | None:
-        """Experts es[i] on rows xs[i] as `expert` computes each, stacked [Σ rows, d], in two kernel calls (every first
-        product, then every down product: at decode a token's k experts would otherwise wake the
-        threads 2·k times); None where the decode kernel does not take them (`linear_grouped`)."""
+        """Experts es[i] on rows xs[i] as `expert` computes each, stacked [Σ rows, d], in two kernel
+        calls (every first product, then every down product: at decode a token's k experts would
+        otherwise wake the threads 2·k times); None where the decode kernel does not take them
+        (`linear_grouped`)."""
         first = getattr(self, self.first)
         return grouped_experts(
             self.act, self.gated, [first[e] for e in es], [self.down_proj[e] for e in es], xs,
@@ -193,8 +194,8 @@ class QuantExperts(nn.Module):
         return self.down_proj[e](activated(self.act, self.gated, y))
 
     def grouped(self, es: list[int], xs: list[torch.Tensor]) -> torch.Tensor | None:
-        """Experts es[i] on rows xs[i] as `expert` computes each, stacked [Σ rows, d], in two kernel calls where the quantized
-        kernels take them (`ops.quant.grouped_quantized`); None otherwise."""
+        """Experts es[i] on rows xs[i] as `expert` computes each, stacked [Σ rows, d], in two kernel
+        calls where the quantized kernels take them (`ops.quant.grouped_quantized`); None otherwise."""
         first = getattr(self, self.first)
         return grouped_experts(
             self.act, self.gated, [first[e] for e in es], [self.down_proj[e] for e in es], xs,

@@ -394,7 +394,8 @@ def _kind(layer: QuantLinear) -> tuple:
     """What layers must share to be computed in one grouped call (read from ``_buffers``: the check runs
     twice a MoE layer in decode, where ``nn.Module.__getattr__`` would cost a microsecond a name)."""
     q, scales = layer._buffers["qweight"], layer._buffers["scales"]
-    return layer.bits, layer.group_size, q.shape, q.device, scales.dtype, layer._parameters.get("bias") is None
+    no_bias = layer._parameters.get("bias") is None
+    return layer.bits, layer.group_size, q.shape, q.device, scales.dtype, no_bias
 
 
 def grouped_quantized(layers: list[QuantLinear], xs: list[torch.Tensor]) -> torch.Tensor | None:
