@@ -14,16 +14,7 @@ from __future__ import annotations
 
 import re
 
-from hybridlm.server.tools.base import (
-    ToolCall,
-    ToolFormat,
-    is_text,
-    json_rule,
-    lark_string,
-    marker,
-    text_rule,
-    typed_value,
-)
+from hybridlm.server.tools.base import ToolCall, ToolFormat, lark_string, tagged_arguments, tagged_grammar
 
 _NAME = re.compile(r"\s*([^<>\s][^<>\n]*?)\s*(?=<arg_key>|$)", re.DOTALL)
 _ARGUMENT = re.compile(r"\s*<arg_key>([^<]*)</arg_key>\s*<arg_value>(.*?)</arg_value>\s*", re.DOTALL)
@@ -38,32 +29,16 @@ class ArgXml(ToolFormat):
         m = _NAME.match(block)
         if m is None:
             return None
-        name, at = m.group(1), m.end()
-        props = functions.get(name, {}).get("properties", {})
-        args = {}
-        for a in _ARGUMENT.finditer(block, at):
-            if a.start() != at:
-                return None
-            key = a.group(1).strip()
-            args[key] = typed_value(a.group(2), props.get(key, {}))
-            at = a.end()
-        if block[at:].strip():
-            return None
-        return [ToolCall.of(name, args)]
+        name = m.group(1)
+        args = tagged_arguments(_ARGUMENT, block, m.end(), functions.get(name, {}).get("properties", {}))
+        return None if args is None else [ToolCall.of(name, args)]
 
     def grammar(self, functions: dict[str, dict], parallel: bool, special: dict[str, int]) -> str:
-        rules, names = [], []
-        for i, (name, params) in enumerate(functions.items()):
-            parts = []  # every declared parameter, in schema order (optional ones too: still valid)
-            for j, (key, schema) in enumerate(params.get("properties", {}).items()):
-                value = f"v{i}_{j}"
-                # Text values end at the next "<" (the closing tag); other types are JSON.
-                rules.append(f"{value}: " + (text_rule(schema) if is_text(schema) else json_rule(schema)))
-                key_text = lark_string(f"<arg_key>{key}</arg_key>")
-                parts.append(f'"\\n" {key_text} "\\n<arg_value>" {value} "</arg_value>"')
-            names.append(f"f{i}")
-            rules.append(f"f{i}: {lark_string(name)} {' '.join(parts)}")
-        begin, end = marker(self.begin, special), marker(self.end, special)
-        repeat = ' ("\\n" call)*' if parallel else ""
-        head = f'start: call{repeat}\ncall: {begin} ({" | ".join(names)}) "\\n" {end}\n'
-        return head + "\n".join(rules) + "\n"
+        # Ling 3.0's layout: a newline before each key and value
+        return tagged_grammar(
+            self, functions, parallel, special,
+            head=lark_string,
+            argument=lambda key, value: (
+                f'"\\n" {lark_string(f"<arg_key>{key}</arg_key>")} "\\n<arg_value>" {value} "</arg_value>"'
+            ),
+        )

@@ -11,8 +11,10 @@ from the end of the message is dropped, as OpenAI returns it.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,6 +86,50 @@ def typed_value(text: str, schema: dict) -> object:
         return json.loads(text)
     except json.JSONDecodeError:
         return text
+
+
+def tagged_arguments(pattern: re.Pattern, text: str, at: int, props: dict) -> dict | None:
+    """The arguments of the formats that write each one between tags: the (key, value text) pairs
+    `pattern` matches (groups 1 and 2) back to back in `text` from `at` to its end, values typed by
+    the parameters' schemas `props` (`typed_value`); None where anything else stands between or after
+    them."""
+    args = {}
+    for m in pattern.finditer(text, at):
+        if m.start() != at:
+            return None
+        key = m.group(1).strip()
+        args[key] = typed_value(m.group(2), props.get(key, {}))
+        at = m.end()
+    return None if text[at:].strip() else args
+
+
+def tagged_grammar(
+    fmt: ToolFormat,
+    functions: dict[str, dict],
+    parallel: bool,
+    special: dict[str, int],
+    head: Callable[[str], str],
+    argument: Callable[[str, str], str],
+    tail: str = "",
+    opening: str = "",
+) -> str:
+    """`ToolFormat.grammar` of the formats that write each argument between tags: a call is `fmt.begin`,
+    `opening`, `head(name)`, `argument(key, value)` for every declared parameter in schema order
+    (optional ones too: still valid), `tail`, a newline and `fmt.end` (all Lark terms); a value is text
+    up to the next "<" (string parameters) or JSON."""
+    rules, names = [], []
+    for i, (name, params) in enumerate(functions.items()):
+        parts = []
+        for j, (key, schema) in enumerate(params.get("properties", {}).items()):
+            value = f"v{i}_{j}"
+            rules.append(f"{value}: " + (text_rule(schema) if is_text(schema) else json_rule(schema)))
+            parts.append(argument(key, value))
+        names.append(f"f{i}")
+        rules.append(" ".join(t for t in (f"f{i}:", head(name), *parts, tail) if t))
+    begin, end = marker(fmt.begin, special), marker(fmt.end, special)
+    repeat = ' ("\\n" call)*' if parallel else ""
+    call = " ".join(t for t in (begin, opening, f'({" | ".join(names)})', '"\\n"', end) if t)
+    return f"start: call{repeat}\ncall: {call}\n" + "\n".join(rules) + "\n"
 
 
 def lark_string(text: str) -> str:
