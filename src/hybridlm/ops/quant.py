@@ -71,12 +71,13 @@ INT4_KERNEL = NativeKernel(
     fallback="dequantized F.linear",
 )
 INT8_GROUPED_KERNEL = NativeKernel(
-    "quant", "quant.c", "hybridlm_linear_int8_grouped", [_p, _p, _p, _p, _p, _i64, _i64, _i64, _int], _int,
+    "quant", "quant.c", "hybridlm_linear_int8_grouped",
+    [_p, _p, _p, _p, _p, _p, _i64, _i64, _i64, _int], _int,
     fallback="one call per product",
 )
 INT4_GROUPED_KERNEL = NativeKernel(
     "quant", "quant.c", "hybridlm_linear_int4_grouped",
-    [_p, _p, _p, _p, _int, _p, _i64, _i64, _i64, _i64, _int], _int,
+    [_p, _p, _p, _p, _int, _p, _p, _i64, _i64, _i64, _i64, _int], _int,
     fallback="one call per product",
 )
 DEQUANT_INT8 = NativeKernel(
@@ -430,10 +431,10 @@ def grouped_quantized(layers: list[QuantLinear], xs: list[torch.Tensor]) -> torc
     sp = int64_array([q._buffers["scales"].data_ptr() for q in layers])
     n, k, threads = first.out_features, first.in_features, torch.get_num_threads()
     if first.bits == 8:
-        status = fn(xp, mp, qp, sp, yp, len(xs), n, k, threads)
+        status = fn(xp, mp, qp, sp, None, yp, len(xs), n, k, threads)
     else:
         fp16 = int(kind[4] is torch.float16)
-        status = fn(xp, mp, qp, sp, fp16, yp, len(xs), n, k, first.group_size, threads)
+        status = fn(xp, mp, qp, sp, fp16, None, yp, len(xs), n, k, first.group_size, threads)
     if status:
         raise MemoryError("the grouped quantized kernel could not allocate its float32 inputs")
     return y

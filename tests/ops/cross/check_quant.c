@@ -57,8 +57,8 @@ int main(void) {
         const float* s8s[3] = {s8, s8, s8};
         const uint8_t* q4s[3] = {(const uint8_t*)packed, (const uint8_t*)packed, (const uint8_t*)packed};
         const uint16_t* s4s[3] = {panel_scales, panel_scales, panel_scales};
-        const int status = bits == 8 ? hybridlm_linear_int8_grouped(xs, ms, q8s, s8s, outs, 3, N, K, 2)
-                                     : hybridlm_linear_int4_grouped(xs, ms, q4s, s4s, 0, outs, 3, N, K, G, 2);
+        const int status = bits == 8 ? hybridlm_linear_int8_grouped(xs, ms, q8s, s8s, NULL, outs, 3, N, K, 2)
+                                     : hybridlm_linear_int4_grouped(xs, ms, q4s, s4s, 0, NULL, outs, 3, N, K, G, 2);
         if (status) return 2;
         for (int p = 0; p < 3; p++) {
             const int alone = bits == 8 ? hybridlm_linear_int8(xs[p], ms[p], q8, s8, NULL, y, N, K, 1)

@@ -1,6 +1,6 @@
 /* mode: 0 RMSNorm `w * r(norm)`, 1 OffsetRMSNorm `(1 + w) * norm`, 2 GatedRMSNorm
-   `r(w * r(norm)) * silu(gate)`, 3 `w * norm` (Nemotron-H: the scale in float32); r() (`round_to`) rounds to the activation dtype (bf16 only), as the
-   reference's `.to(x.dtype)` does.
+   `r(w * r(norm)) * silu(gate)`, 3 Float32RMSNorm `w * norm` (Nemotron-H: the scale in float32);
+   r() (`round_to`) rounds to the activation dtype (bf16 only), as the reference's `.to(x.dtype)` does.
 
    Every loop vectorizes: the sum of squares keeps LANES partial sums (element i goes to lane
    i % LANES) added in a fixed tree at the end, and the gate's SiLU uses exp_fast. A row's numbers

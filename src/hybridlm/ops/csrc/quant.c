@@ -330,21 +330,6 @@ static void block_i8(const float* xf, int64_t M, const int8_t* q, const float* s
 /* Weight rows per block of an int8 product of M input rows. */
 static inline int block_rows_i8(int64_t M) { return M == 1 ? RB1 : RB; }
 
-/* x [M, K] bf16, q [N, K] int8, scale [N] float32, bias [N] bf16 or NULL, y [M, N] bf16. Returns 0 or
-   -1 (out of memory). */
-int hybridlm_linear_int8(const uint16_t* x, int64_t M, const int8_t* q, const float* scale, const uint16_t* bias,
-                         uint16_t* y, int64_t N, int64_t K, int nthreads) {
-    float* xf = malloc((size_t)(M * K) * sizeof(float));
-    if (!xf) return -1;
-    for (int64_t i = 0; i < M * K; i++) xf[i] = bf16_to_f32(x[i]);
-    const int block = block_rows_i8(M);
-    const int64_t nblocks = (N + block - 1) / block;
-    #pragma omp parallel for schedule(static) num_threads(nthreads) if (N * K >= MIN_PARALLEL_BYTES)
-    for (int64_t b = 0; b < nblocks; b++) block_i8(xf, M, q, scale, bias, y, N, K, b * block, block);
-    free(xf);
-    return 0;
-}
-
 /* Tiles of an int4 product of M input rows: one input row takes tiles of 2 panels (more independent
    sums to hide the FMA latency), more rows one panel against up to MC4 rows at a time (the sums fill
    the registers); a short last panel is a tile of its own. */
@@ -390,20 +375,6 @@ static void tile_rows_i4(const float* xf, int64_t M, const uint8_t* q, const uin
     }
 }
 
-/* x [M, K] bf16, q [N, K / 2] packed int4 (see above), scales [N, K / G] bf16 (fp16 != 0: fp16),
-   bias [N] bf16 or NULL, y [M, N] bf16; K % G == 0, G % 8 == 0. Returns 0 or -1 (out of memory). */
-int hybridlm_linear_int4(const uint16_t* x, int64_t M, const uint8_t* q, const uint16_t* scales, int fp16,
-                         const uint16_t* bias, uint16_t* y, int64_t N, int64_t K, int64_t G, int nthreads) {
-    float* xf = malloc((size_t)(M * K) * sizeof(float));
-    if (!xf) return -1;
-    for (int64_t i = 0; i < M * K; i++) xf[i] = bf16_to_f32(x[i]);
-    const int64_t ntiles = tiles_i4(M, N);
-    #pragma omp parallel for schedule(static) num_threads(nthreads) if (N * K / 2 >= MIN_PARALLEL_BYTES)
-    for (int64_t b = 0; b < ntiles; b++) tile_rows_i4(xf, M, q, scales, fp16, bias, y, N, K, G, b);
-    free(xf);
-    return 0;
-}
-
 /* The float32 copies of P products' inputs (xs[p] [ms[p], K] bf16) one after another, product p's from
    element first[p]; NULL when out of memory. */
 static float* inputs_f32(const uint16_t* const* xs, const int64_t* ms, int64_t P, int64_t K, int64_t* first) {
@@ -428,11 +399,12 @@ static inline int64_t product_of(const int64_t* start, int64_t i) {
 
 /* P independent int8 products of one shape in one parallel region (a token's routed experts: their
    small matrices each cost a region's wake-up and barrier, and a Python call, more than their reads):
-   for p < P, ys[p] [ms[p], N] = xs[p] [ms[p], K] · (qs[p] · scales[p])ᵀ, no bias, every block computed
-   as hybridlm_linear_int8 computes it, so each product has its bits. Returns 0 or -1 (out of memory). */
+   for p < P, ys[p] [ms[p], N] = xs[p] [ms[p], K] · (qs[p] · scales[p])ᵀ + biases[p] (biases NULL, or
+   an entry NULL: none). A product's row blocks (block_i8) are the same whatever products share the
+   call, so each product has the bits of a call of its own. Returns 0 or -1 (out of memory). */
 int hybridlm_linear_int8_grouped(const uint16_t* const* xs, const int64_t* ms, const int8_t* const* qs,
-                                 const float* const* scales, uint16_t* const* ys, int64_t P, int64_t N, int64_t K,
-                                 int nthreads) {
+                                 const float* const* scales, const uint16_t* const* biases, uint16_t* const* ys,
+                                 int64_t P, int64_t N, int64_t K, int nthreads) {
     int64_t first[P], start[P + 1];
     float* xf = inputs_f32(xs, ms, P, K, first);
     if (!xf) return -1;
@@ -442,17 +414,26 @@ int hybridlm_linear_int8_grouped(const uint16_t* const* xs, const int64_t* ms, c
     for (int64_t i = 0; i < start[P]; i++) {
         const int64_t p = product_of(start, i);
         const int block = block_rows_i8(ms[p]);
-        block_i8(xf + first[p], ms[p], qs[p], scales[p], NULL, ys[p], N, K, (i - start[p]) * block, block);
+        block_i8(xf + first[p], ms[p], qs[p], scales[p], biases ? biases[p] : NULL, ys[p], N, K,
+                 (i - start[p]) * block, block);
     }
     free(xf);
     return 0;
 }
 
-/* The int4 form of hybridlm_linear_int8_grouped: scales[p] [N, K / G] bf16 (fp16 != 0: fp16), every
-   tile computed as hybridlm_linear_int4 computes it. Returns 0 or -1 (out of memory). */
+/* x [M, K] bf16, q [N, K] int8, scale [N] float32, bias [N] bf16 or NULL, y [M, N] bf16: one product
+   of hybridlm_linear_int8_grouped. Returns 0 or -1 (out of memory). */
+int hybridlm_linear_int8(const uint16_t* x, int64_t M, const int8_t* q, const float* scale, const uint16_t* bias,
+                         uint16_t* y, int64_t N, int64_t K, int nthreads) {
+    return hybridlm_linear_int8_grouped(&x, &M, &q, &scale, &bias, &y, 1, N, K, nthreads);
+}
+
+/* The int4 form of hybridlm_linear_int8_grouped: scales[p] [N, K / G] bf16 (fp16 != 0: fp16), a
+   product's tiles (tile_rows_i4) the same whatever products share the call. Returns 0 or -1 (out of
+   memory). */
 int hybridlm_linear_int4_grouped(const uint16_t* const* xs, const int64_t* ms, const uint8_t* const* qs,
-                                 const uint16_t* const* scales, int fp16, uint16_t* const* ys, int64_t P, int64_t N,
-                                 int64_t K, int64_t G, int nthreads) {
+                                 const uint16_t* const* scales, int fp16, const uint16_t* const* biases,
+                                 uint16_t* const* ys, int64_t P, int64_t N, int64_t K, int64_t G, int nthreads) {
     int64_t first[P], start[P + 1];
     float* xf = inputs_f32(xs, ms, P, K, first);
     if (!xf) return -1;
@@ -461,10 +442,19 @@ int hybridlm_linear_int4_grouped(const uint16_t* const* xs, const int64_t* ms, c
     #pragma omp parallel for schedule(static) num_threads(nthreads) if (P * N * K / 2 >= MIN_PARALLEL_BYTES)
     for (int64_t i = 0; i < start[P]; i++) {
         const int64_t p = product_of(start, i);
-        tile_rows_i4(xf + first[p], ms[p], qs[p], scales[p], fp16, NULL, ys[p], N, K, G, i - start[p]);
+        tile_rows_i4(xf + first[p], ms[p], qs[p], scales[p], fp16, biases ? biases[p] : NULL, ys[p], N, K, G,
+                     i - start[p]);
     }
     free(xf);
     return 0;
+}
+
+/* x [M, K] bf16, q [N, K / 2] packed int4 (see above), scales [N, K / G] bf16 (fp16 != 0: fp16),
+   bias [N] bf16 or NULL, y [M, N] bf16; K % G == 0, G % 8 == 0: one product of
+   hybridlm_linear_int4_grouped. Returns 0 or -1 (out of memory). */
+int hybridlm_linear_int4(const uint16_t* x, int64_t M, const uint8_t* q, const uint16_t* scales, int fp16,
+                         const uint16_t* bias, uint16_t* y, int64_t N, int64_t K, int64_t G, int nthreads) {
+    return hybridlm_linear_int4_grouped(&x, &M, &q, &scales, fp16, &bias, &y, 1, N, K, G, nthreads);
 }
 
 /* Rows [n0, n1) of the weight as bf16, w [n1 - n0, K]: q · scale rounded to bf16 once (to nearest
