@@ -36,6 +36,7 @@ from torch import nn
 
 from hybridlm.batch import Batch
 from hybridlm.models.layers import Attention, DecoderLayer, GatedDeltaNet, GatedMLP
+from hybridlm.models.moe import SparseMoE
 from hybridlm.ops.conv import CONV_KERNEL
 from hybridlm.ops.elementwise import elementwise_rows
 from hybridlm.ops.gated_delta import GDN_KERNEL
@@ -139,8 +140,7 @@ def _layer_op(layer: nn.Module, watch: list) -> Op:
         mix = _attention_op(mixer, watch)
     else:
         mix = mixer
-    mlp = _child(layer, "mlp", watch)
-    ffn = _mlp_op(mlp, watch) if type(mlp) is GatedMLP else mlp
+    ffn = _ffn_op(_child(layer, "mlp", watch), watch)
     pre = _norm_op(_child(layer, "input_layernorm", watch))
     post = _norm_op(_child(layer, "post_attention_layernorm", watch))
 
@@ -188,7 +188,14 @@ def _linear_op(module: nn.Module, watch: list) -> Op:
             return y
 
         return quantized
-    weight, fn, most = params.get("weight"), BF16_KERNEL.get(), kernel_rows()
+    return _dense_op(params, n, k, module)
+
+
+def _dense_op(params: dict, n: int, k: int, fallback: Op) -> Op:
+    """x [..., k] bf16 -> x · params["weight"]ᵀ (+ params["bias"]) [..., n] by the bf16 decode kernel's
+    call alone, as `ops.linear.linear` computes it; `fallback` (what the layer would run) where the
+    kernel does not take the weights, or x has more rows than it takes."""
+    weight, bias, fn, most = params.get("weight"), params.get("bias"), BF16_KERNEL.get(), kernel_rows()
     if (
         fn is None
         or most < 1
@@ -197,12 +204,12 @@ def _linear_op(module: nn.Module, watch: list) -> Op:
         or not weight.is_contiguous()
         or (bias is not None and not bias.is_contiguous())
     ):
-        return module
+        return fallback
 
     def dense(x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // k
         if rows > most:  # more rows than this CPU's kernel takes: F.linear, as `linear` does
-            return module(x)
+            return fallback(x)
         if not x.is_contiguous():
             x = x.contiguous()
         y = torch.empty((*x.shape[:-1], n), dtype=BF16)
@@ -259,6 +266,32 @@ def _mlp_op(mlp: GatedMLP, watch: list) -> Op:
         return down(elementwise_rows(act, gate) * up)
 
     return ffn
+
+
+def _ffn_op(ffn: nn.Module, watch: list) -> Op:
+    """x -> a feed-forward block's output: a `GatedMLP`'s or a `SparseMoE`'s kernels called directly,
+    any other block as its module."""
+    if type(ffn) is GatedMLP:
+        return _mlp_op(ffn, watch)
+    if type(ffn) is SparseMoE:
+        return _moe_op(ffn, watch)
+    return ffn
+
+
+def _moe_op(moe: SparseMoE, watch: list) -> Op:
+    """`SparseMoE.forward`: the block's own routing and dispatch (`SparseMoE.routed`) around the plan's
+    router product and shared expert."""
+    router = _child(moe, "gate", watch)
+    _child(moe, "experts", watch)  # a swapped expert stack (quantize_) builds a new plan
+    logits = router.logits
+    if not router.float32_logits:  # float32 logits take `linear`'s float32 path, not a decode kernel
+        logits = _dense_op(router._parameters, *router.weight.shape, router.logits)
+    shared = gate = None
+    if moe.shared_name is not None:
+        shared = _ffn_op(_child(moe, moe.shared_name, watch), watch)
+    if moe.shared_expert_gate is not None:
+        gate = _linear_op(_child(moe, "shared_expert_gate", watch), watch)
+    return lambda x: moe.routed(x, logits, shared, gate)
 
 
 def _gdn_op(m: GatedDeltaNet, watch: list) -> Op:

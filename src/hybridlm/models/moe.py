@@ -314,7 +314,10 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, d] -> (routing weights [N, k] float32, expert ids [N, k])."""
-        logits = self.logits(x)
+        return self.route(self.logits(x))
+
+    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This router's rule over its logits [N, E] -> (routing weights [N, k] float32, expert ids)."""
         if self.scoring == SOFTMAX:
             return softmax_topk(logits, self.top_k, self.normalize)
         return sigmoid_topk(
@@ -355,17 +358,23 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., d] -> [..., d]."""
+        shared = None if self.shared_name is None else getattr(self, self.shared_name)
+        return self.routed(x, self.gate.logits, shared, self.shared_expert_gate)
+
+    def routed(self, x: torch.Tensor, logits, shared, shared_gate) -> torch.Tensor:
+        """`forward` with the router's logits, the shared expert and its gate given as functions (the
+        modules, or a decode plan's direct kernel calls; None where the block has none)."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        weights, index = self.gate(x)
+        weights, index = self.gate.route(logits(x))
         if self.weights_in_activation_dtype:
             weights = weights.to(x.dtype)
-        out = self.experts(x, index, weights)
-        if self.shared_name is not None:
-            shared = getattr(self, self.shared_name)(x)
-            if self.shared_expert_gate is not None:
-                shared = elementwise_rows(torch.sigmoid, self.shared_expert_gate(x)) * shared
-            out = out + shared
+        out = self.experts.forward(x, index, weights)
+        if shared is not None:
+            y = shared(x)
+            if shared_gate is not None:
+                y = elementwise_rows(torch.sigmoid, shared_gate(x)) * y
+            out = out + y
         return out.view(shape)
 
 
