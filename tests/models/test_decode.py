@@ -17,18 +17,23 @@ from hybridlm.batch import Batch
 from hybridlm.cache import KVCache
 from hybridlm.cache.recurrent import ScanCache
 from hybridlm.models import decode, load_model
+from hybridlm.models.granitemoehybrid import SoftmaxTopKMoE
 from hybridlm.models.layers import Attention, DecoderLayer, GatedDeltaNet, GatedMLP
+from hybridlm.models.mamba2 import Mamba2Mixer
 from hybridlm.models.moe import SparseMoE
+from hybridlm.models.nemotron_h import NemotronBlock, NemotronMoE, Relu2MLP
 from hybridlm.ops.native import FEW_TOKENS
 from hybridlm.ops.quant import quantize_
 from hybridlm.ops.quant_gemm import prompt_rows
 
 FAMILIES = [
     "qwen3_5_text", "qwen3_next", "qwen3_5_moe_text", "lfm2", "lfm2_moe", "gemma3_text", "gemma4_text",
-    "dense_qwen3", "dense_llama", "kimi_linear", "bailing_hybrid", "bamba",
+    "dense_qwen3", "dense_llama", "kimi_linear", "bailing_hybrid", "bamba", "granitemoehybrid",
+    "granitemoehybrid_moe", "nemotron_h", "nemotron_h_latent", "falcon_h1",
 ]
 # The families whose every layer the plan runs without a module call.
-PLANNED = ["qwen3_5_text", "qwen3_5_moe_text", "lfm2_moe", "dense_qwen3", "dense_llama", "bamba"]
+PLANNED = ["qwen3_5_text", "qwen3_5_moe_text", "lfm2_moe", "dense_qwen3", "dense_llama", "bamba",
+           "granitemoehybrid_moe", "nemotron_h_latent"]
 # Tokens per step: decode steps and verify passes (a current token and its drafts) up to FEW_TOKENS.
 STEPS = [1, 4, 1, FEW_TOKENS, 2, 1]
 
@@ -105,7 +110,9 @@ def test_planned_steps_equal_the_modules_bitwise(checkpoints, name):
 
 
 @pytest.mark.parametrize("quantize", ["int8", "int4"])
-@pytest.mark.parametrize("name", ["qwen3_5_text", "dense_llama", "lfm2", "qwen3_5_moe_text"])
+@pytest.mark.parametrize(
+    "name", ["qwen3_5_text", "dense_llama", "lfm2", "qwen3_5_moe_text", "granitemoehybrid_moe", "nemotron_h"]
+)
 def test_quantized_planned_steps_equal_the_modules_bitwise(checkpoints, name, quantize):
     """The same with int8 / int4 weights (the quantized decode kernels' calls)."""
     model = load_model(checkpoints(name).path, dtype=torch.bfloat16, device="cpu", quantize=quantize)
@@ -140,7 +147,9 @@ def test_the_plan_runs_no_layer_module(checkpoints, name, monkeypatch):
     path under another name); a longer prefill still does."""
     model = load_model(checkpoints(name).path, dtype=torch.bfloat16, device="cpu", quantize="int4")
     calls = []
-    for cls in (DecoderLayer, GatedDeltaNet, Attention, GatedMLP, SparseMoE):
+    blocks = (DecoderLayer, GatedDeltaNet, Attention, GatedMLP, SparseMoE, Mamba2Mixer, SoftmaxTopKMoE,
+              NemotronBlock, NemotronMoE, Relu2MLP)
+    for cls in blocks:
         def counted(self, *args, _forward=cls.forward, **kwargs):
             calls.append(self)
             return _forward(self, *args, **kwargs)

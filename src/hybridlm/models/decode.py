@@ -6,15 +6,17 @@ speculative verify pass: up to `FEW_TOKENS` tokens of one sequence) every call r
 kernel step after step, and the choosing costs ≈ 5 ms a step on the Qwen3.5-0.8B preset (a fifth of
 an int4 step). A plan makes the choices once per model and calls the linear and norm kernels
 directly, on the inputs the layers would hand them (and a Gated DeltaNet's conv and scan kernels);
-between its projections a mixer runs its own code (`GatedDeltaNet.scan_projected`,
-`Attention.attend_projected`) with the plan's norms. The same
+between its projections a mixer or MoE block runs its own code (`GatedDeltaNet.scan_projected`,
+`Attention.attend_projected`, `Mamba2Mixer.mixed`, `SparseMoE.routed`) with the plan's norms and
+products. A block that only composes its children (`DecoderLayer` and its kin) has a `run(parts, ...)`
+over them by name, which its forward calls with its modules and the plan with their ops. The same
 kernels on the same inputs: the same bits as the module path (tests/models/test_decode.py). Caches
 advance through the layers' own code, so captures, recording and copy-on-write behave as in any
 forward.
 
-What the plan does not know runs as its module: a layer that is not a `DecoderLayer`, a mixer or MLP
-other than `GatedDeltaNet`, `Attention` and `GatedMLP`, a linear or norm of another kind or without
-its kernel, a scan step that must report split states. `CausalLM.hidden_states` takes a plan for a
+What the plan does not know runs as its module: a block without `run` whose type the plan has no op
+for, a linear or norm of another kind or without its kernel, a scan step that must report split
+states. `CausalLM.hidden_states` takes a plan for a
 B = 1 batch of 1 to `FEW_TOKENS` tokens on a bf16 CPU model, with autograd off, outside
 `prompt_rows` (whose rows take prefill's integer path) and `without_plans`;
 ``HYBRIDLM_DECODE_PLAN=0`` turns plans off.
@@ -35,7 +37,8 @@ import torch
 from torch import nn
 
 from hybridlm.batch import Batch
-from hybridlm.models.layers import Attention, DecoderLayer, GatedDeltaNet, GatedMLP
+from hybridlm.models.layers import Attention, GatedDeltaNet, GatedMLP
+from hybridlm.models.mamba2 import Mamba2Mixer
 from hybridlm.models.moe import SparseMoE
 from hybridlm.ops.conv import CONV_KERNEL
 from hybridlm.ops.elementwise import elementwise_rows
@@ -44,11 +47,13 @@ from hybridlm.ops.linear import KERNEL as BF16_KERNEL
 from hybridlm.ops.linear import FusedLinear, Linear, kernel_rows
 from hybridlm.ops.native import FEW_TOKENS, ThreadFlag
 from hybridlm.ops.norms import (
+    FLOAT32,
     FUSED_MAX_NUMEL,
     GATED,
     NORM_KERNEL,
     OFFSET,
     RMS,
+    Float32RMSNorm,
     GatedRMSNorm,
     OffsetRMSNorm,
     RMSNorm,
@@ -107,7 +112,7 @@ class DecodePlan:
             return None
         watch: list[tuple[dict, str, nn.Module]] = []
         stack = model.model.layers
-        layers = [_layer_op(_child(stack, str(i), watch), watch) for i in range(len(stack))]
+        layers = [_op(_child(stack, str(i), watch), watch) for i in range(len(stack))]
         return cls(layers, _norm_op(_child(model.model, "norm", watch)), watch)
 
     def current(self) -> bool:
@@ -123,32 +128,29 @@ class DecodePlan:
         return self.norm(h)
 
 
-def _child(parent: nn.Module, name: str, watch: list) -> nn.Module:
+def _child(parent: nn.Module, name: str, watch: list) -> nn.Module | None:
     """`parent`'s submodule `name`, remembered so the plan notices when it is replaced."""
     module = parent._modules[name]
     watch.append((parent._modules, name, module))
     return module
 
 
-def _layer_op(layer: nn.Module, watch: list) -> Op:
-    if type(layer) is not DecoderLayer:
-        return layer
-    mixer = _child(layer, layer.mixer_name, watch)
-    if type(mixer) is GatedDeltaNet:
-        mix = _gdn_op(mixer, watch)
-    elif type(mixer) is Attention:
-        mix = _attention_op(mixer, watch)
-    else:
-        mix = mixer
-    ffn = _ffn_op(_child(layer, "mlp", watch), watch)
-    pre = _norm_op(_child(layer, "input_layernorm", watch))
-    post = _norm_op(_child(layer, "post_attention_layernorm", watch))
-
-    def step(h: torch.Tensor, batch: Batch, cache) -> torch.Tensor:
-        h = h + mix(pre(h), batch, cache)
-        return h + ffn(post(h))
-
-    return step
+def _op(module: nn.Module | None, watch: list) -> Op | None:
+    """What runs `module` in a plan: its kernels called directly where the plan knows its type; a
+    module whose forward is `run` over its children (`DecoderLayer` and the like) as that `run` over
+    their ops; anything else as the module itself."""
+    kind = type(module)
+    if kind in _NORM_MODES:
+        return _norm_op(module)
+    if kind in (Linear, QuantLinear, FusedLinear):
+        return _linear_op(module, watch)
+    special = _SPECIAL.get(kind)
+    if special is not None:
+        return special(module, watch)
+    if getattr(kind, "run", None) is not None:
+        parts = {name: _op(_child(module, name, watch), watch) for name in module._modules}
+        return lambda *args: module.run(parts, *args)
+    return module
 
 
 def _linear_op(module: nn.Module, watch: list) -> Op:
@@ -221,7 +223,7 @@ def _dense_op(params: dict, n: int, k: int, fallback: Op) -> Op:
     return dense
 
 
-_NORM_MODES = {RMSNorm: RMS, OffsetRMSNorm: OFFSET, GatedRMSNorm: GATED}
+_NORM_MODES = {RMSNorm: RMS, OffsetRMSNorm: OFFSET, GatedRMSNorm: GATED, Float32RMSNorm: FLOAT32}
 
 
 def _norm_op(module: nn.Module) -> Op:
@@ -268,16 +270,6 @@ def _mlp_op(mlp: GatedMLP, watch: list) -> Op:
     return ffn
 
 
-def _ffn_op(ffn: nn.Module, watch: list) -> Op:
-    """x -> a feed-forward block's output: a `GatedMLP`'s or a `SparseMoE`'s kernels called directly,
-    any other block as its module."""
-    if type(ffn) is GatedMLP:
-        return _mlp_op(ffn, watch)
-    if type(ffn) is SparseMoE:
-        return _moe_op(ffn, watch)
-    return ffn
-
-
 def _moe_op(moe: SparseMoE, watch: list) -> Op:
     """`SparseMoE.forward`: the block's own routing and dispatch (`SparseMoE.routed`) around the plan's
     router product and shared expert."""
@@ -288,7 +280,7 @@ def _moe_op(moe: SparseMoE, watch: list) -> Op:
         logits = _dense_op(router._parameters, *router.weight.shape, router.logits)
     shared = gate = None
     if moe.shared_name is not None:
-        shared = _ffn_op(_child(moe, moe.shared_name, watch), watch)
+        shared = _op(_child(moe, moe.shared_name, watch), watch)
     if moe.shared_expert_gate is not None:
         gate = _linear_op(_child(moe, "shared_expert_gate", watch), watch)
     return lambda x: moe.routed(x, logits, shared, gate)
@@ -348,3 +340,21 @@ def _attention_op(m: Attention, watch: list) -> Op:
     if m.q_norm is not None:
         q_norm, k_norm = _norm_op(_child(m, "q_norm", watch)), _norm_op(_child(m, "k_norm", watch))
     return lambda x, batch, cache: o_proj(m.attend_projected(*project(x), batch, cache, q_norm, k_norm))
+
+
+def _mamba2_op(m: Mamba2Mixer, watch: list) -> Op:
+    """`Mamba2Mixer.forward` of a few tokens (one sequence, so no padding to mask): the plan's in / out
+    projections around the layer's own conv, scan and gated norm (`Mamba2Mixer.mixed`)."""
+    in_proj = _linear_op(_child(m, "in_proj", watch), watch)
+    out_proj = _linear_op(_child(m, "out_proj", watch), watch)
+    return lambda x, batch, cache: out_proj(m.mixed(in_proj(x), batch, cache, x.dtype))
+
+
+# The blocks whose kernels a plan calls itself, by exact type (a subclass may compute otherwise).
+_SPECIAL = {
+    GatedMLP: _mlp_op,
+    SparseMoE: _moe_op,
+    GatedDeltaNet: _gdn_op,
+    Attention: _attention_op,
+    Mamba2Mixer: _mamba2_op,
+}

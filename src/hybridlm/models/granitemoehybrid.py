@@ -13,6 +13,8 @@ into the shared `GatedMLP`'s two projections, `remap` renames the rest (the expe
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+
 import torch
 from torch import nn
 
@@ -50,10 +52,14 @@ class SoftmaxTopKMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, L, d] -> [B, L, d]."""
+        return self.run(self._modules, x)
+
+    def run(self, parts: Mapping[str, Callable], x: torch.Tensor) -> torch.Tensor:
+        """`forward` over `parts` (see `DecoderLayer.run`)."""
         flat = x.reshape(-1, x.shape[-1])
-        logits, index = self.router(flat).float().topk(self.top_k, dim=-1)
+        logits, index = parts["router"](flat).float().topk(self.top_k, dim=-1)
         weights = logits.softmax(dim=-1).to(x.dtype)
-        return self.experts(flat, index, weights).view(x.shape)
+        return parts["experts"](flat, index, weights).view(x.shape)
 
 
 class ScaledDecoderLayer(DecoderLayer):
@@ -65,11 +71,11 @@ class ScaledDecoderLayer(DecoderLayer):
         self.residual_multiplier = residual_multiplier
         self.block_sparse_moe = moe
 
-    def forward(self, h: torch.Tensor, batch: Batch, cache) -> torch.Tensor:
-        r = self.residual_multiplier
-        h = h + self.mixer(self.input_layernorm(h), batch, cache) * r
-        x = self.post_attention_layernorm(h)
-        ff = self.mlp(x) if self.block_sparse_moe is None else self.block_sparse_moe(x) + self.mlp(x)
+    def run(self, parts: Mapping[str, Callable], h: torch.Tensor, batch: Batch, cache) -> torch.Tensor:
+        r, moe, mlp = self.residual_multiplier, parts.get("block_sparse_moe"), parts["mlp"]
+        h = h + parts[self.mixer_name](parts["input_layernorm"](h), batch, cache) * r
+        x = parts["post_attention_layernorm"](h)
+        ff = mlp(x) if moe is None else moe(x) + mlp(x)
         return h + ff * r
 
 

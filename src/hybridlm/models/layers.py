@@ -5,6 +5,7 @@ Attribute names follow the Hugging Face checkpoints (families remap where theirs
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from functools import partial
 
 import torch
@@ -391,5 +392,10 @@ class DecoderLayer(nn.Module):
         return self.mixer.make_cache(batch_size, dtype, device)
 
     def forward(self, h: torch.Tensor, batch: Batch, cache) -> torch.Tensor:
-        h = h + self.mixer(self.input_layernorm(h), batch, cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        return self.run(self._modules, h, batch, cache)
+
+    def run(self, parts: Mapping[str, Callable], h: torch.Tensor, batch: Batch, cache) -> torch.Tensor:
+        """The block over `parts`, by the names of its children: the modules themselves (`forward`), or
+        what a decode plan runs in their place (`models.decode`)."""
+        h = h + parts[self.mixer_name](parts["input_layernorm"](h), batch, cache)
+        return h + parts["mlp"](parts["post_attention_layernorm"](h))

@@ -18,6 +18,7 @@ state is then the checkpoint replays start from.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -25,12 +26,14 @@ from torch import nn
 
 from hybridlm.batch import Batch
 from hybridlm.cache import Mamba2Cache
-from hybridlm.models.base import Config
 from hybridlm.models.layers import per_segment
 from hybridlm.ops.conv import causal_conv1d
 from hybridlm.ops.linear import Linear
 from hybridlm.ops.mamba2 import DEFAULT_CHUNK, mamba2_scan, mamba2_step_fused
 from hybridlm.ops.native import FEW_TOKENS
+
+if TYPE_CHECKING:  # models.base imports the decode plans, which import this module
+    from hybridlm.models.base import Config
 
 
 class GroupedGatedRMSNorm(nn.Module):
@@ -158,10 +161,15 @@ class Mamba2Mixer(nn.Module):
         mask = batch.token_mask()
         if mask is not None:
             x = x * mask[..., None].to(x.dtype)
-        z, xbc, dt = self.project(x).split([self.inner, self.conv_dim, self.heads], dim=-1)
+        return self.out_proj(self.mixed(self.project(x), batch, cache, x.dtype))
+
+    def mixed(self, projected: torch.Tensor, batch: Batch, cache: Mamba2Cache, dtype) -> torch.Tensor:
+        """z ‖ xBC ‖ dt [B, L, inner + conv_dim + H] -> the gated scan output [B, L, inner] in `dtype`;
+        advances `cache`."""
+        z, xbc, dt = projected.split([self.inner, self.conv_dim, self.heads], dim=-1)
         y = per_segment(batch, cache, self.scan, xbc, dt)
-        b, length, _ = x.shape
-        return self.out_proj(self.gate(y.reshape(b, length, self.inner), z, x.dtype))
+        b, length, _ = projected.shape
+        return self.gate(y.reshape(b, length, self.inner), z, dtype)
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, L, hidden] -> z ‖ xBC ‖ dt [B, L, inner + conv_dim + H]."""

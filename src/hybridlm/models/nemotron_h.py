@@ -17,6 +17,8 @@ Published checkpoints prefix tensors with `backbone.` and store experts one by o
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+
 import torch
 from torch import nn
 
@@ -69,7 +71,11 @@ class Relu2MLP(nn.Module):
         self.down_proj = Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(elementwise_rows(relu2, self.up_proj(x)))
+        return self.run(self._modules, x)
+
+    def run(self, parts: Mapping[str, Callable], x: torch.Tensor) -> torch.Tensor:
+        """`forward` over `parts` (see `DecoderLayer.run`)."""
+        return parts["down_proj"](elementwise_rows(relu2, parts["up_proj"](x)))
 
 
 class NemotronMoE(nn.Module):
@@ -92,14 +98,18 @@ class NemotronMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, L, d] -> [B, L, d]."""
+        return self.run(self._modules, x)
+
+    def run(self, parts: Mapping[str, Callable], x: torch.Tensor) -> torch.Tensor:
+        """`forward` over `parts` (see `DecoderLayer.run`)."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        weights, index = self.gate(flat)
-        h = flat if self.fc1_latent_proj is None else self.fc1_latent_proj(flat)
-        h = self.experts(h, index, weights)
-        if self.fc2_latent_proj is not None:
-            h = self.fc2_latent_proj(h)
-        return h.view(shape) + self.shared_experts(x)
+        weights, index = parts["gate"](flat)
+        fc1, fc2 = parts.get("fc1_latent_proj"), parts.get("fc2_latent_proj")
+        h = parts["experts"](flat if fc1 is None else fc1(flat), index, weights)
+        if fc2 is not None:
+            h = fc2(h)
+        return h.view(shape) + parts["shared_experts"](x)
 
 
 class NemotronBlock(nn.Module):
@@ -120,8 +130,12 @@ class NemotronBlock(nn.Module):
 
     def forward(self, h: torch.Tensor, batch: Batch, cache) -> torch.Tensor:
         """`cache`: this layer's cache (a packed batch: the segments' list), None for MLP / MoE."""
-        x = self.norm(h)
-        return h + (self.mixer(x, batch, cache) if self.stateful else self.mixer(x))
+        return self.run(self._modules, h, batch, cache)
+
+    def run(self, parts: Mapping[str, Callable], h: torch.Tensor, batch: Batch, cache) -> torch.Tensor:
+        """`forward` over `parts` (see `DecoderLayer.run`)."""
+        x, mixer = parts["norm"](h), parts["mixer"]
+        return h + (mixer(x, batch, cache) if self.stateful else mixer(x))
 
 
 @register("nemotron_h")
