@@ -1,4 +1,4 @@
-"""Model contract, configuration view and the registry of families by `model_type`."""
+"""Model contract and the registry of families by `model_type` (their configuration view: `models.config`)."""
 
 from __future__ import annotations
 
@@ -10,30 +10,11 @@ from torch import nn
 
 from hybridlm.batch import Batch, Packed
 from hybridlm.cache.base import LayerCache
+from hybridlm.models.config import Config
 from hybridlm.models.decode import decode_plan, forget_plan
 from hybridlm.ops.linear import rowwise
 from hybridlm.ops.native import FEW_TOKENS
 from hybridlm.ops.threads import decode_team
-
-
-class Config(dict):
-    """A checkpoint's config.json (the text config for multimodal layouts) with attribute access."""
-
-    def __getattr__(self, name):
-        try:
-            return self[name]
-        except KeyError:
-            raise AttributeError(f"config has no field {name!r}") from None
-
-    def get_rope(self, default_theta: float = 10000.0) -> dict:
-        """transformers 5 `rope_parameters`, falling back to the older flat fields."""
-        params = dict(self.get("rope_parameters") or self.get("rope_scaling") or {})
-        params.setdefault("rope_theta", self.get("rope_theta", default_theta))
-        if "partial_rotary_factor" in self:
-            params.setdefault("partial_rotary_factor", self["partial_rotary_factor"])
-        params.setdefault("rope_type", params.pop("type", "default"))
-        return params
-
 
 FAMILIES: dict[str, type[CausalLM]] = {}
 

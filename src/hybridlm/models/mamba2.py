@@ -18,7 +18,6 @@ state is then the checkpoint replays start from.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -26,14 +25,12 @@ from torch import nn
 
 from hybridlm.batch import Batch
 from hybridlm.cache import Mamba2Cache
+from hybridlm.models.config import Config
 from hybridlm.models.layers import per_segment
 from hybridlm.ops.conv import causal_conv1d
 from hybridlm.ops.linear import Linear
 from hybridlm.ops.mamba2 import DEFAULT_CHUNK, mamba2_scan, mamba2_step_fused
 from hybridlm.ops.native import FEW_TOKENS
-
-if TYPE_CHECKING:  # models.base imports the decode plans, which import this module
-    from hybridlm.models.base import Config
 
 
 class GroupedGatedRMSNorm(nn.Module):
