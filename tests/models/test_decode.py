@@ -12,6 +12,7 @@ from contextlib import nullcontext
 
 import pytest
 import torch
+from torch import nn
 
 from hybridlm.batch import Batch
 from hybridlm.cache import KVCache
@@ -239,3 +240,15 @@ class Halved(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.inner(x) * 0.5
+
+
+def test_a_subclass_that_overrides_forward_alone_runs_as_its_module():
+    """`run` stands for a block's forward only while no subclass replaces the forward without it."""
+
+    class Doubled(DecoderLayer):
+        def forward(self, h, batch, cache):
+            return 2 * super().forward(h, batch, cache)
+
+    assert decode._composes(DecoderLayer) and not decode._composes(Doubled)
+    layer = Doubled("mixer", nn.Identity(), nn.Identity(), torch.nn.LayerNorm, 4, 1e-6)
+    assert decode._op(layer, []) is layer

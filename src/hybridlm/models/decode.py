@@ -147,10 +147,17 @@ def _op(module: nn.Module | None, watch: list) -> Op | None:
     special = _SPECIAL.get(kind)
     if special is not None:
         return special(module, watch)
-    if getattr(kind, "run", None) is not None:
+    if _composes(kind):
         parts = {name: _op(_child(module, name, watch), watch) for name in module._modules}
         return lambda *args: module.run(parts, *args)
     return module
+
+
+def _composes(kind: type) -> bool:
+    """Whether a module of `kind` computes its forward as its `run`: the nearest class defining either
+    defines `run` (a subclass that overrides `forward` alone computes otherwise)."""
+    owner = next((c for c in kind.__mro__ if "forward" in vars(c) or "run" in vars(c)), None)
+    return owner is not None and "run" in vars(owner)
 
 
 def _linear_op(module: nn.Module, watch: list) -> Op:
