@@ -11,7 +11,13 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hybridlm.ops.mamba2 import mamba2_scan, mamba2_step_fused
+from hybridlm.ops.mamba2 import (
+    GATED_NORM_KERNEL,
+    grouped_gated_norm,
+    grouped_gated_norm_reference,
+    mamba2_scan,
+    mamba2_step_fused,
+)
 
 torch.set_flush_denormal(True)
 
@@ -215,3 +221,38 @@ def test_step_kernel_agrees_with_the_torch_step_form():
     ty, ts, _ = scan(inputs)
     torch.testing.assert_close(y, ty, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(state, ts, rtol=1e-5, atol=1e-5)
+
+
+needs_norm_kernel = pytest.mark.skipif(GATED_NORM_KERNEL.get() is None, reason="mamba2 kernel not built")
+
+
+@needs_norm_kernel
+@pytest.mark.parametrize("norm_before_gate", [False, True])
+@pytest.mark.parametrize(("rows", "channels", "groups"), [(1, 48, 3), (5, 40, 1), (300, 96, 2)])
+def test_gated_norm_kernel_equals_the_float32_reference(isa, norm_before_gate, rows, channels, groups):
+    """The C gated group norm against the torch composition: the same rounding points, so all but a
+    few outputs (a sum order moving a value across a bf16 boundary) are the same bits; none is more
+    than one bf16 step off. z is read as the view the mixer hands it (a slice of the projections)."""
+    gen = torch.Generator().manual_seed(rows + groups)
+    y = 3 * torch.randn(1, rows, channels, generator=gen)
+    projected = torch.randn(1, rows, channels + 7, generator=gen).bfloat16()
+    z = projected[..., 2 : 2 + channels]
+    w = torch.randn(channels, generator=gen).bfloat16()
+    got = grouped_gated_norm(y, z, w, groups, 1e-5, norm_before_gate, torch.bfloat16)
+    want = grouped_gated_norm_reference(y, z, w, groups, 1e-5, norm_before_gate, torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and got.shape == y.shape
+    steps = (got.float() - want.float()).abs() / want.float().abs().clamp_min(1e-3)
+    assert (steps <= 2**-7).all() and (got == want).float().mean() > 0.95
+
+
+@needs_norm_kernel
+def test_gated_norm_kernel_gives_each_row_its_own_bits(isa):
+    """A row's output does not depend on the rows beside it (decode rows, packed rows, prompts)."""
+    gen = torch.Generator().manual_seed(1)
+    y = torch.randn(1, 70, 64, generator=gen)
+    z = torch.randn(1, 70, 64, generator=gen).bfloat16()
+    w = torch.randn(64, generator=gen).bfloat16()
+    whole = grouped_gated_norm(y, z, w, 4, 1e-6, False, torch.bfloat16)
+    for r in (0, 33, 69):
+        alone = grouped_gated_norm(y[:, r : r + 1], z[:, r : r + 1], w, 4, 1e-6, False, torch.bfloat16)
+        assert torch.equal(alone[0, 0], whole[0, r])

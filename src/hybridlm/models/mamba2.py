@@ -20,7 +20,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hybridlm.batch import Batch
@@ -29,7 +28,7 @@ from hybridlm.models.config import Config
 from hybridlm.models.layers import per_segment
 from hybridlm.ops.conv import causal_conv1d
 from hybridlm.ops.linear import Linear
-from hybridlm.ops.mamba2 import DEFAULT_CHUNK, mamba2_scan, mamba2_step_fused
+from hybridlm.ops.mamba2 import DEFAULT_CHUNK, grouped_gated_norm, mamba2_scan, mamba2_step_fused
 from hybridlm.ops.native import FEW_TOKENS
 
 
@@ -44,16 +43,8 @@ class GroupedGatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """x, z ``[B, L, dim]`` -> ``[B, L, dim]`` in ``dtype``."""
-        x = x.float()
-        gate = F.silu(z.float())
-        if not self.norm_before_gate:
-            x = x * gate
-        g = x.unflatten(-1, (self.groups, -1))
-        x = (g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)).flatten(-2)
-        if self.norm_before_gate:
-            x = x * gate
-        return (self.weight.float() * x).to(dtype)
+        """x, z ``[B, L, dim]`` -> ``[B, L, dim]`` in ``dtype`` (`ops.mamba2.grouped_gated_norm`)."""
+        return grouped_gated_norm(x, z, self.weight, self.groups, self.eps, self.norm_before_gate, dtype)
 
 
 class Mamba2Mixer(nn.Module):

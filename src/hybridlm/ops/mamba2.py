@@ -58,6 +58,62 @@ STEP_KERNEL = NativeKernel(
 )
 
 
+GATED_NORM_KERNEL = NativeKernel(
+    "mamba2_scan",
+    "mamba2.c",
+    "hybridlm_mamba2_gated_norm",
+    [_p, _p, _i64, _p, _p, _i64, _i64, _i64, _f, ctypes.c_int, ctypes.c_int],
+    None,
+    fallback="torch's float32 ops",
+)
+
+
+def grouped_gated_norm_reference(
+    y: Tensor, z: Tensor, weight: Tensor, groups: int, eps: float, norm_before_gate: bool, dtype
+) -> Tensor:
+    """The gated RMSNorm per group after the scan, in float32: y [..., C] times silu(z) (after the gate,
+    the default; before it, `norm_before_gate`), each of `groups` equal slices of C normalised by its
+    RMS, times the weight [C]; cast to `dtype` once."""
+    x, gate = y.float(), F.silu(z.float())
+    if not norm_before_gate:
+        x = x * gate
+    g = x.unflatten(-1, (groups, -1))
+    x = (g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)).flatten(-2)
+    if norm_before_gate:
+        x = x * gate
+    return (weight.float() * x).to(dtype)
+
+
+def grouped_gated_norm(
+    y: Tensor, z: Tensor, weight: Tensor, groups: int, eps: float, norm_before_gate: bool, dtype
+) -> Tensor:
+    """`grouped_gated_norm_reference` (y [B, L, C] float32, z [B, L, C] a view whose channels are
+    contiguous), by one C call where it applies: bf16 z, weight and result on the CPU (one call where
+    torch runs 14 ops: a few percent of a Mamba-2 hybrid's decode step). Within float32 rounding of
+    the reference; each row's numbers depend on that row alone."""
+    fn = GATED_NORM_KERNEL.get() if y.is_cpu and dtype is torch.bfloat16 else None
+    C = y.shape[-1]
+    if (
+        fn is None
+        or y.dtype is not torch.float32
+        or z.dtype is not torch.bfloat16
+        or weight.dtype is not torch.bfloat16
+        or y.dim() != 3
+        or z.shape != y.shape
+        or z.stride(-1) != 1
+        or z.stride(0) != z.shape[1] * z.stride(1)
+        or C % groups
+        or torch.compiler.is_compiling()
+    ):
+        return grouped_gated_norm_reference(y, z, weight, groups, eps, norm_before_gate, dtype)
+    y, weight = y.contiguous(), weight.contiguous()
+    out = torch.empty(y.shape, dtype=torch.bfloat16)
+    rows = y.shape[0] * y.shape[1]
+    fn(y.data_ptr(), z.data_ptr(), z.stride(1), weight.data_ptr(), out.data_ptr(), rows, C, groups,
+       float(eps), int(norm_before_gate), torch.get_num_threads())
+    return out
+
+
 def mamba2_step_fused(
     xbc: Tensor,
     dt: Tensor,
