@@ -1,5 +1,5 @@
 /* Shared by the kernels: bf16 conversions and element access (bf16 is the upper half of an fp32),
-   and a vectorizable exp. */
+   a vectorizable exp, and the norms' fixed-order sum of squares. */
 #ifndef HYBRIDLM_BF16_H
 #define HYBRIDLM_BF16_H
 #include <stdint.h>
@@ -47,5 +47,27 @@ static inline float exp_fast(float x) {
     float scale;
     memcpy(&scale, &bits, 4);
     return y * scale;
+}
+/* Σ x[base + i]² over i < D: SQUARE_LANES partial sums (element i into lane i % SQUARE_LANES) added in a
+   fixed tree, then the elements past the last full block one by one; the loop vectorizes, and the sum
+   depends only on the D values (the norms of norms.c and mamba2.c). */
+#define SQUARE_LANES 16
+static inline __attribute__((always_inline)) float sum_squares(const void* x, int64_t base, int64_t D,
+                                                               int is_bf16) {
+    float part[SQUARE_LANES] = {0.f};
+    int64_t i = 0;
+    for (; i + SQUARE_LANES <= D; i += SQUARE_LANES)
+        for (int l = 0; l < SQUARE_LANES; l++) {
+            const float v = load(x, base + i + l, is_bf16);
+            part[l] += v * v;
+        }
+    for (int half = SQUARE_LANES / 2; half > 0; half /= 2)
+        for (int l = 0; l < half; l++) part[l] += part[l + half];
+    float ss = part[0];
+    for (; i < D; i++) {
+        const float v = load(x, base + i, is_bf16);
+        ss += v * v;
+    }
+    return ss;
 }
 #endif

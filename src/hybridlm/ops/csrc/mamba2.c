@@ -125,9 +125,7 @@ void hybridlm_mamba2_scan(const void* xbc, const void* dt, const float* A, const
    gate = silu(z); x = y·gate (before: norm_before_gate 0), each of G groups of the C channels
    x · rsqrt(mean(x²) + eps), then ·gate (norm_before_gate 1); out = bf16(w · x). y [rows, C] float32,
    z bf16 with row stride z_stride elements, w [C] bf16, out [rows, C] bf16. A group's sum of squares
-   keeps LANES partial sums (element i into lane i % LANES) added in a fixed tree, as norms.c does, so
-   a row's numbers depend on that row alone. */
-#define LANES 16
+   is `sum_squares` (bf16.h), so a row's numbers depend on that row alone. */
 void hybridlm_mamba2_gated_norm(const float* y, const uint16_t* z, int64_t z_stride, const uint16_t* w,
                                 uint16_t* out, int64_t rows, int64_t C, int64_t G, float eps,
                                 int norm_before_gate, int nthreads) {
@@ -144,14 +142,7 @@ void hybridlm_mamba2_gated_norm(const float* y, const uint16_t* z, int64_t z_str
             gate[i] = g / (1.f + exp_fast(-g));
             x[i] = norm_before_gate ? yr[i] : yr[i] * gate[i];
         }
-        float part[LANES] = {0.f};
-        int64_t i = 0;
-        for (; i + LANES <= width; i += LANES)
-            for (int l = 0; l < LANES; l++) part[l] += x[i + l] * x[i + l];
-        for (int half = LANES / 2; half > 0; half /= 2)
-            for (int l = 0; l < half; l++) part[l] += part[l + half];
-        float ss = part[0];
-        for (; i < width; i++) ss += x[i] * x[i];
+        const float ss = sum_squares(x, 0, width, 0);
         const float scale = 1.f / sqrtf(ss / (float)width + eps);
         for (int64_t j = 0; j < width; j++) {
             float v = x[j] * scale;
@@ -160,4 +151,3 @@ void hybridlm_mamba2_gated_norm(const float* y, const uint16_t* z, int64_t z_str
         }
     }
 }
-#undef LANES

@@ -2,32 +2,11 @@
    `r(w * r(norm)) * silu(gate)`, 3 Float32RMSNorm `w * norm` (Nemotron-H: the scale in float32);
    r() (`round_to`) rounds to the activation dtype (bf16 only), as the reference's `.to(x.dtype)` does.
 
-   Every loop vectorizes: the sum of squares keeps LANES partial sums (element i goes to lane
-   i % LANES) added in a fixed tree at the end, and the gate's SiLU uses exp_fast. A row's numbers
+   Every loop vectorizes: the sum of squares keeps SQUARE_LANES partial sums (`sum_squares` in
+   bf16.h) added in a fixed tree at the end, and the gate's SiLU uses exp_fast. A row's numbers
    depend only on the row (its length and values), never on how many rows a call has. */
 #include "bf16.h"
 #include <math.h>
-
-#define LANES 16
-
-static inline __attribute__((always_inline)) float sum_squares(const void* x, int64_t base, int64_t D,
-                                                               int is_bf16) {
-    float part[LANES] = {0.f};
-    int64_t i = 0;
-    for (; i + LANES <= D; i += LANES)
-        for (int l = 0; l < LANES; l++) {
-            const float v = load(x, base + i + l, is_bf16);
-            part[l] += v * v;
-        }
-    for (int half = LANES / 2; half > 0; half /= 2)
-        for (int l = 0; l < half; l++) part[l] += part[l + half];
-    float ss = part[0];
-    for (; i < D; i++) {
-        const float v = load(x, base + i, is_bf16);
-        ss += v * v;
-    }
-    return ss;
-}
 
 /* One row; inlined with constant mode and is_bf16, so each variant is a straight vector loop. */
 static inline __attribute__((always_inline)) void norm_row(const void* x, const void* w, const void* gate,
