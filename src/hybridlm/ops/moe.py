@@ -1,8 +1,9 @@
 """Adding the routed experts' outputs into their tokens' rows: `combine` (the C kernel) beside
 `combine_reference` (its definition, torch's `index_add_`).
 
-`index_add_` costs ~40 µs a decode step's MoE layer on 2 cores (its float32 staging, the zeroed
-accumulator and the cast each an op of their own): a fifth of an int4 layer's expert time.
+The definition's ops (zeroed accumulator, weighting, float32 staging, `index_add_`, cast) measured
+51 µs for one token's 8 experts at width 1024 on 2 Xeon cores, 19 % of a Qwen3.5-MoE int4 layer's
+expert time in a py-spy profile.
 """
 
 from __future__ import annotations
