@@ -1,13 +1,23 @@
-"""`ops.moe.combine`: the C kernel gives its definition's bits (`combine_reference`: index_add_ of the
-weighted outputs in float32) at every ISA level, for bf16 and float32 routing weights."""
+"""`ops.moe`: `combine` gives its definition's bits (`combine_reference`: index_add_ of the weighted
+outputs in float32) at every ISA level, for bf16 and float32 routing weights; `quantized_experts`
+gives each product the bits of its layer's decode kernel, rows independent of each other, and the
+activation torch's bf16 rounding of silu / relu²."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
+from hybridlm.models.layers import relu2
 from hybridlm.ops import moe
-from hybridlm.ops.moe import combine, combine_reference
+from hybridlm.ops import quant as quant_module
+from hybridlm.ops.linear import rowwise
+from hybridlm.ops.moe import combine, combine_reference, quantized_experts
+from hybridlm.ops.native import FEW_TOKENS
+from hybridlm.ops.quant import QuantLinear
+
+BF16 = torch.bfloat16
 
 needs_kernel = pytest.mark.skipif(moe.COMBINE_KERNEL.get() is None, reason="moe kernel could not be built")
 
@@ -47,3 +57,105 @@ def test_the_reference_serves_float32_outputs():
     ys = ys.float()
     want = torch.zeros(2, 16).index_add_(0, rows, ys * weights.reshape(-1)[w_at, None])
     assert torch.equal(combine(ys, weights, w_at, rows, 2), want)
+
+
+needs_experts_kernel = pytest.mark.skipif(
+    moe.EXPERTS_KERNEL.get() is None, reason="quant kernel could not be built"
+)
+
+
+def quantized(weight: torch.Tensor, scheme: str, scale_dtype) -> QuantLinear:
+    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    layer.weight = nn.Parameter(weight)
+    out = QuantLinear.from_linear(layer, scheme, group_size=8)
+    out.scales = out.scales.to(scale_dtype) if scheme == "int4" else out.scales
+    return out
+
+
+def experts(n: int, d: int, inter: int, schemes: tuple[str, str], gated: bool, seed: int, scales=BF16):
+    """n experts: first products [2·inter or inter, d], down products [d, inter], quantized by `schemes`."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = 2 * inter if gated else inter
+    first = [torch.randn(rows, d, generator=gen) / d**0.5 for _ in range(n)]
+    down = [torch.randn(d, inter, generator=gen) / inter**0.5 for _ in range(n)]
+    return [quantized(w, schemes[0], scales) for w in first], [quantized(w, schemes[1], scales) for w in down]
+
+
+def rows_of(counts: list[int], d: int, seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [(2 * torch.randn(m, d, generator=gen)).bfloat16() for m in counts]
+
+
+@pytest.fixture
+def float_decode_tiles(monkeypatch):
+    """The layers' own forward takes the float decode tiles for int4 rows too (the experts kernel's
+    products), also at the ISA levels whose int4 decode rows take the integer kernel."""
+    monkeypatch.setattr(quant_module, "integer_int4_decode", lambda: False)
+
+
+@needs_experts_kernel
+@pytest.mark.parametrize(
+    ("schemes", "scale_dtype"),
+    [
+        (("int4", "int4"), torch.bfloat16),
+        (("int8", "int8"), torch.bfloat16),
+        (("int4", "int8"), torch.float16),
+    ],
+)
+@pytest.mark.parametrize("counts", [[1] * 8, [3, 1, 20, 2]])
+def test_experts_kernel_gives_each_product_its_layers_decode_bits(
+    isa, float_decode_tiles, schemes, scale_dtype, counts
+):
+    """relu² (non-gated: Nemotron-H's experts) rounds as torch's bf16 relu and square do, so the whole
+    call equals each expert's own layers on its rows (decode kernels, each row as alone), bit for bit:
+    odd output widths (a short int4 panel), mixed int4 / int8 projections, fp16 scales, and an expert
+    with more rows than a decode call takes."""
+    first, down = experts(len(counts), 104, 40, schemes, gated=False, seed=len(counts), scales=scale_dtype)
+    xs = rows_of(counts, 104, seed=3)
+    with rowwise():
+        want = torch.cat([down_i(relu2(up(x))) for up, down_i, x in zip(first, down, xs, strict=True)])
+    assert torch.equal(quantized_experts(first, down, xs, gated=False), want)
+
+
+@needs_experts_kernel
+def test_experts_kernel_rows_do_not_depend_on_the_rows_beside_them(isa, float_decode_tiles):
+    first, down = experts(4, 64, 48, ("int4", "int4"), gated=True, seed=5)
+    counts = [5, 1, 19, 2]
+    xs = rows_of(counts, 64, seed=9)
+    together = quantized_experts(first, down, xs, gated=True).split(counts)
+    for f, dn, x, got in zip(first, down, xs, together, strict=True):
+        alone = [quantized_experts([f], [dn], [x[i : i + 1]], gated=True) for i in range(x.shape[0])]
+        assert torch.equal(got, torch.cat(alone))
+
+
+def exact_identity(width: int) -> QuantLinear:
+    """An int8 layer whose product returns its bf16 input exactly (weights 1 on the diagonal, scale 1)."""
+    layer = QuantLinear(width, width, bits=8, group_size=0, bias=False)
+    layer.qweight.copy_(torch.eye(width, dtype=torch.int8))
+    return layer
+
+
+@needs_experts_kernel
+def test_experts_kernel_gated_silu_is_bf16_silu_of_the_gate_times_the_up_rows(isa, float_decode_tiles):
+    """With an identity down product the call returns its activations: bf16(bf16(silu(g)) · u) against
+    silu in float64; the kernel's exp may differ from the exact value in the last float32 bits, so a
+    bf16 rounding may go the other way only where silu(g) lies within 1e-6 (relative) of a rounding
+    boundary."""
+    width = 64
+    first, _ = experts(1, width, width, ("int4", "int8"), gated=True, seed=11)
+    x = rows_of([FEW_TOKENS], width, seed=2)[0]
+    got = quantized_experts(first, [exact_identity(width)], [x], gated=True)
+    with rowwise():
+        gate, up = first[0](x).chunk(2, dim=-1)
+    silu = gate.double() * torch.sigmoid(gate.double())
+    want = (silu.float().bfloat16() * up).bfloat16()
+    near_boundary = (silu * (1 + 1e-6)).float().bfloat16() != (silu * (1 - 1e-6)).float().bfloat16()
+    assert ((got == want) | near_boundary).all()
+    assert near_boundary.float().mean() < 0.01
+
+
+@needs_experts_kernel
+def test_experts_of_different_kinds_are_not_computed_in_one_call():
+    int4, _ = experts(1, 64, 32, ("int4", "int4"), gated=True, seed=1)
+    int8, down = experts(1, 64, 32, ("int8", "int8"), gated=True, seed=1)
+    assert quantized_experts([*int4, *int8], down * 2, rows_of([1, 1], 64, seed=1), gated=True) is None

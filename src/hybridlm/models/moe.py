@@ -29,9 +29,10 @@ from hybridlm.models.checkpoint import CheckpointError, take
 from hybridlm.models.layers import ACTIVATIONS
 from hybridlm.ops.elementwise import elementwise_rows
 from hybridlm.ops.linear import Linear, linear, linear_grouped, rowwise_applies
-from hybridlm.ops.moe import combine
+from hybridlm.ops.moe import EXPERTS_KERNEL, KERNEL_ACTIVATIONS, combine, quantized_experts
 from hybridlm.ops.native import FEW_TOKENS
 from hybridlm.ops.quant import INT4_GROUP, QuantLinear, grouped_quantized
+from hybridlm.ops.quant_gemm import integer_int4_decode, prompt_rows_on
 
 SOFTMAX, SIGMOID = "softmax", "sigmoid"
 
@@ -149,9 +150,12 @@ class Experts(nn.Module):
 class QuantExperts(nn.Module):
     """Routed experts with int8 / int4 weights: per expert a `QuantLinear` in `gate_up_proj[e]`
     ([2·I, d], gate rows first; `up_proj[e]` [I, d] for non-gated experts) and `down_proj[e]` ([d, I]),
-    so every path of the quantized linear layers serves them (the decode kernels on a token's experts,
-    int8-activation GEMMs on prompt chunks, row groups inside `rowwise`). A quantized checkpoint names
-    their tensors `experts.gate_up_proj.{e}.qweight` / `.scales` and likewise for the others."""
+    so every path of the quantized linear layers serves them (int8-activation GEMMs on prompt chunks,
+    the decode kernels). Decode rows (a few, or any number inside `rowwise`; not `prompt_rows`) take
+    one call of the experts kernel for every chosen expert where it computes the activation
+    (`ops.moe.quantized_experts`: a token's 8 experts cost ≈ 0.3 ms of Python and small torch ops
+    otherwise). A quantized checkpoint names their tensors `experts.gate_up_proj.{e}.qweight` /
+    `.scales` and likewise for the others."""
 
     def __init__(self, first: list[QuantLinear], down: list[QuantLinear], act: str, gated: bool = True):
         super().__init__()
@@ -160,6 +164,8 @@ class QuantExperts(nn.Module):
         self.add_module(self.first, nn.ModuleList(first))
         self.down_proj = nn.ModuleList(down)
         self.act = ACTIVATIONS[act]
+        self.fusable = (act, gated) in KERNEL_ACTIVATIONS
+        self.int4 = 4 in (first[0].bits, down[0].bits)
 
     @classmethod
     @torch.no_grad()
@@ -180,7 +186,31 @@ class QuantExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [N, d], index / weights [N, k] -> [N, d] (see `dispatch`)."""
+        if self._fuses(x):
+            return dispatch(x.contiguous(), index, weights, self.expert, self.fused)
         return dispatch(x, index, weights, self.expert, self.grouped)
+
+    def _fuses(self, x: torch.Tensor) -> bool:
+        """Whether x's rows are decode rows the experts kernel computes: few (or inside `rowwise`), bf16
+        on the CPU, outside `prompt_rows`, on a CPU whose int4 decode rows take the float tiles."""
+        return (
+            self.fusable
+            and x.dtype is torch.bfloat16
+            and x.is_cpu
+            and (x.shape[0] <= FEW_TOKENS or rowwise_applies(x))
+            and not prompt_rows_on()
+            and self.down_proj[0]._buffers["qweight"].is_cpu
+            and not torch.compiler.is_compiling()
+            and EXPERTS_KERNEL.get() is not None
+            and not (self.int4 and integer_int4_decode())
+        )
+
+    def fused(self, es: list[int], xs: list[torch.Tensor]) -> torch.Tensor | None:
+        """Experts es[i] on rows xs[i] by the experts kernel, stacked [Σ rows, d] (None: the chosen
+        experts' layers differ in kind, see `quantized_experts`)."""
+        first, down = self._modules[self.first]._modules, self.down_proj._modules
+        keys = [str(e) for e in es]
+        return quantized_experts([first[k] for k in keys], [down[k] for k in keys], xs, self.gated)
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert e on rows x [n, d] -> [n, d]."""

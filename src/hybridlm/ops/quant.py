@@ -391,6 +391,12 @@ def quantize_(
     return module
 
 
+def one_kind(layers: list[QuantLinear]) -> bool:
+    """Whether the layers are of one kind and shape, without bias: what a grouped call of them needs."""
+    kind = _kind(layers[0])
+    return kind[-1] and all(_kind(q) == kind for q in layers[1:])
+
+
 def _kind(layer: QuantLinear) -> tuple:
     """What layers must share to be computed in one grouped call (read from ``_buffers``: the check runs
     twice a MoE layer in decode, where ``nn.Module.__getattr__`` would cost a microsecond a name)."""
@@ -407,8 +413,7 @@ def grouped_quantized(layers: list[QuantLinear], xs: list[torch.Tensor]) -> torc
     (prompt rows, or int4 decode rows on a CPU whose integer kernel is the faster); else None
     (callers run them one by one)."""
     first = layers[0]
-    kind = _kind(first)
-    if not kind[-1] or any(_kind(q) != kind for q in layers[1:]) or any(x.dim() != 2 for x in xs):
+    if not one_kind(layers) or any(x.dim() != 2 for x in xs):
         return None
     # Every layer is of the first's kind, so the first answers for each which path x takes.
     if prompt_rows_on() or first._decodes_in_integers():
@@ -433,7 +438,7 @@ def grouped_quantized(layers: list[QuantLinear], xs: list[torch.Tensor]) -> torc
     if first.bits == 8:
         status = fn(xp, mp, qp, sp, None, yp, len(xs), n, k, threads)
     else:
-        fp16 = int(kind[4] is torch.float16)
+        fp16 = int(first._buffers["scales"].dtype is torch.float16)
         status = fn(xp, mp, qp, sp, fp16, None, yp, len(xs), n, k, first.group_size, threads)
     if status:
         raise MemoryError("the grouped quantized kernel could not allocate its float32 inputs")

@@ -1,6 +1,7 @@
 /* quant.c on this ISA against float64: int8 (per-row scales) and int4 (groups of 32, panels of 16 rows,
    a short last panel) decode products for 1..17 rows, each row equal to itself alone; grouped calls
-   (products of 1, 5 and 17 rows) equal to one call per product. */
+   (products of 1, 5 and 17 rows) equal to one call per product; the experts kernel (relu², an int4
+   first and an int8 down product) equal to those products' own calls with the activation between. */
 #include "quant.c"
 #include "check.h"
 
@@ -67,6 +68,25 @@ int main(void) {
             if (alone) return 2;
             expect_same(bits == 8 ? "int8 grouped" : "int4 grouped", outs[p], y, ms[p] * N);
         }
+    }
+    const int64_t D = K, I = N; /* first [I, D]: the int4 weights above; down [D, I] int8 */
+    int8_t* qd = malloc(D * I);
+    float* sd = malloc(D * 4);
+    for (int64_t i = 0; i < D * I; i++) qd[i] = (int8_t)lrint(127 * uniform());
+    for (int64_t i = 0; i < D; i++) sd[i] = (float)(0.01 + 0.005 * uniform());
+    const void *q1[3] = {packed, packed, packed}, *s1[3] = {panel_scales, panel_scales, panel_scales};
+    const void *q2[3] = {qd, qd, qd}, *s2[3] = {sd, sd, sd};
+    const projection first = {4, 0, G, q1, s1}, down = {8, 0, 0, q2, s2};
+    uint16_t *ys = malloc((1 + 5 + 17) * D * 2), *h = malloc(M * I * 2), *y2 = malloc(M * D * 2);
+    if (hybridlm_moe_experts(xs, ms, 3, first, down, 0, ys, D, I, 2)) return 2;
+    for (int64_t p = 0, row = 0; p < 3; row += ms[p], p++) {
+        if (hybridlm_linear_int4(xs[p], ms[p], (const uint8_t*)packed, panel_scales, 0, NULL, y, I, D, G, 1)) return 2;
+        for (int64_t i = 0; i < ms[p] * I; i++) {
+            const float g = bf16_to_f32(y[i]) > 0.f ? bf16_to_f32(y[i]) : 0.f;
+            h[i] = f32_to_bf16(g * g);
+        }
+        if (hybridlm_linear_int8(h, ms[p], qd, sd, NULL, y2, D, I, 1)) return 2;
+        expect_same("experts", ys + row * D, y2, ms[p] * D);
     }
     printf(failures ? "FAILED\n" : "ok\n");
     return failures != 0;

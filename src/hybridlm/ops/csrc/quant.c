@@ -397,28 +397,53 @@ static inline int64_t product_of(const int64_t* start, int64_t i) {
     return p;
 }
 
-/* P independent int8 products of one shape in one parallel region (a token's routed experts: their
+/* The units of work of a product of M input rows against N weight rows: int8 row blocks (block_i8),
+   int4 tiles (tile_rows_i4). */
+static inline int64_t units_of(int bits, int64_t M, int64_t N) {
+    return bits == 8 ? (N + block_rows_i8(M) - 1) / block_rows_i8(M) : tiles_i4(M, N);
+}
+
+/* Unit u of a product: int8 with scales [N] float32, int4 with scales [N, K / G] bf16 (fp16: fp16). */
+static inline void unit_of(int bits, const float* xf, int64_t M, const void* q, const void* scales, int fp16,
+                           const uint16_t* bias, uint16_t* y, int64_t N, int64_t K, int64_t G, int64_t u) {
+    if (bits == 8) {
+        const int block = block_rows_i8(M);
+        block_i8(xf, M, q, scales, bias, y, N, K, u * block, block);
+    } else {
+        tile_rows_i4(xf, M, q, scales, fp16, bias, y, N, K, G, u);
+    }
+}
+
+/* P independent products of one shape and kind in one parallel region (a token's routed experts: their
    small matrices each cost a region's wake-up and barrier, and a Python call, more than their reads):
    for p < P, ys[p] [ms[p], N] = xs[p] [ms[p], K] · (qs[p] · scales[p])ᵀ + biases[p] (biases NULL, or
-   an entry NULL: none). A product's row blocks (block_i8) are the same whatever products share the
-   call, so each product has the bits of a call of its own. Returns 0 or -1 (out of memory). */
-int hybridlm_linear_int8_grouped(const uint16_t* const* xs, const int64_t* ms, const int8_t* const* qs,
-                                 const float* const* scales, const uint16_t* const* biases, uint16_t* const* ys,
-                                 int64_t P, int64_t N, int64_t K, int nthreads) {
+   an entry NULL: none). A product's units (unit_of) are the same whatever products share the call, so
+   each product has the bits of a call of its own. Returns 0 or -1 (out of memory). */
+static int grouped(int bits, const uint16_t* const* xs, const int64_t* ms, const void* const* qs,
+                   const void* const* scales, int fp16, const uint16_t* const* biases, uint16_t* const* ys,
+                   int64_t P, int64_t N, int64_t K, int64_t G, int nthreads) {
     int64_t first[P], start[P + 1];
     float* xf = inputs_f32(xs, ms, P, K, first);
     if (!xf) return -1;
     start[0] = 0;
-    for (int64_t p = 0; p < P; p++) start[p + 1] = start[p] + (N + block_rows_i8(ms[p]) - 1) / block_rows_i8(ms[p]);
-    #pragma omp parallel for schedule(static) num_threads(nthreads) if (P * N * K >= MIN_PARALLEL_BYTES)
+    for (int64_t p = 0; p < P; p++) start[p + 1] = start[p] + units_of(bits, ms[p], N);
+    const int64_t bytes = P * N * K * bits / 8;
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (bytes >= MIN_PARALLEL_BYTES)
     for (int64_t i = 0; i < start[P]; i++) {
         const int64_t p = product_of(start, i);
-        const int block = block_rows_i8(ms[p]);
-        block_i8(xf + first[p], ms[p], qs[p], scales[p], biases ? biases[p] : NULL, ys[p], N, K,
-                 (i - start[p]) * block, block);
+        unit_of(bits, xf + first[p], ms[p], qs[p], scales[p], fp16, biases ? biases[p] : NULL, ys[p], N, K, G,
+                i - start[p]);
     }
     free(xf);
     return 0;
+}
+
+/* int8 products (q [N, K] int8, scale [N] float32); see grouped. */
+int hybridlm_linear_int8_grouped(const uint16_t* const* xs, const int64_t* ms, const int8_t* const* qs,
+                                 const float* const* scales, const uint16_t* const* biases, uint16_t* const* ys,
+                                 int64_t P, int64_t N, int64_t K, int nthreads) {
+    return grouped(8, xs, ms, (const void* const*)qs, (const void* const*)scales, 0, biases, ys, P, N, K, 0,
+                   nthreads);
 }
 
 /* x [M, K] bf16, q [N, K] int8, scale [N] float32, bias [N] bf16 or NULL, y [M, N] bf16: one product
@@ -428,25 +453,12 @@ int hybridlm_linear_int8(const uint16_t* x, int64_t M, const int8_t* q, const fl
     return hybridlm_linear_int8_grouped(&x, &M, &q, &scale, &bias, &y, 1, N, K, nthreads);
 }
 
-/* The int4 form of hybridlm_linear_int8_grouped: scales[p] [N, K / G] bf16 (fp16 != 0: fp16), a
-   product's tiles (tile_rows_i4) the same whatever products share the call. Returns 0 or -1 (out of
-   memory). */
+/* int4 products (scales[p] [N, K / G] bf16, fp16 != 0: fp16); see grouped. */
 int hybridlm_linear_int4_grouped(const uint16_t* const* xs, const int64_t* ms, const uint8_t* const* qs,
                                  const uint16_t* const* scales, int fp16, const uint16_t* const* biases,
                                  uint16_t* const* ys, int64_t P, int64_t N, int64_t K, int64_t G, int nthreads) {
-    int64_t first[P], start[P + 1];
-    float* xf = inputs_f32(xs, ms, P, K, first);
-    if (!xf) return -1;
-    start[0] = 0;
-    for (int64_t p = 0; p < P; p++) start[p + 1] = start[p] + tiles_i4(ms[p], N);
-    #pragma omp parallel for schedule(static) num_threads(nthreads) if (P * N * K / 2 >= MIN_PARALLEL_BYTES)
-    for (int64_t i = 0; i < start[P]; i++) {
-        const int64_t p = product_of(start, i);
-        tile_rows_i4(xf + first[p], ms[p], qs[p], scales[p], fp16, biases ? biases[p] : NULL, ys[p], N, K, G,
-                     i - start[p]);
-    }
-    free(xf);
-    return 0;
+    return grouped(4, xs, ms, (const void* const*)qs, (const void* const*)scales, fp16, biases, ys, P, N, K, G,
+                   nthreads);
 }
 
 /* x [M, K] bf16, q [N, K / 2] packed int4 (see above), scales [N, K / G] bf16 (fp16 != 0: fp16),
@@ -455,6 +467,77 @@ int hybridlm_linear_int4_grouped(const uint16_t* const* xs, const int64_t* ms, c
 int hybridlm_linear_int4(const uint16_t* x, int64_t M, const uint8_t* q, const uint16_t* scales, int fp16,
                          const uint16_t* bias, uint16_t* y, int64_t N, int64_t K, int64_t G, int nthreads) {
     return hybridlm_linear_int4_grouped(&x, &M, &q, &scales, fp16, &bias, &y, 1, N, K, G, nthreads);
+}
+
+/* One projection of a stack of quantized experts: bits (8 or 4), per expert its weight q and scales (see
+   grouped), fp16 scales, group size G (int4). */
+typedef struct {
+    int bits, fp16;
+    int64_t G;
+    const void* const* q;
+    const void* const* scales;
+} projection;
+
+/* The routed experts of a few tokens in one parallel region (models.moe.dispatch on decode rows): expert
+   p's first product over its rows xs[p] [ms[p], D] (first.q[p] [N1, D]: gate rows then up rows when
+   gated, N1 = 2·I, else up rows, N1 = I), the activation, then its down product (down.q[p] [D, I]);
+   ys [Σ ms, D] bf16, expert p's rows after expert p - 1's. Each product is computed by the units of the
+   linear kernels, so a row has the bits of its own calls whatever else the call holds. The activation
+   rounds as torch's bf16 ops round: gated, silu: h = bf16(bf16(g / (1 + exp(-g))) · u) with exp_fast;
+   not gated, relu²: h = bf16(max(g, 0)²). Returns 0 or -1 (out of memory). */
+int hybridlm_moe_experts(const uint16_t* const* xs, const int64_t* ms, int64_t P, projection first,
+                         projection down, int gated, uint16_t* ys, int64_t D, int64_t I, int nthreads) {
+    const int64_t N1 = gated ? 2 * I : I;
+    int64_t xf_at[P], rows_before[P + 1], start1[P + 1], start2[P + 1];
+    float* xf = inputs_f32(xs, ms, P, D, xf_at);
+    if (!xf) return -1;
+    rows_before[0] = start1[0] = start2[0] = 0;
+    for (int64_t p = 0; p < P; p++) {
+        rows_before[p + 1] = rows_before[p] + ms[p];
+        start1[p + 1] = start1[p] + units_of(first.bits, ms[p], N1);
+        start2[p + 1] = start2[p] + units_of(down.bits, ms[p], D);
+    }
+    const int64_t rows = rows_before[P];
+    uint16_t* y1 = malloc((size_t)(rows * N1) * sizeof(uint16_t));
+    float* hf = malloc((size_t)(rows * I) * sizeof(float));
+    if (!y1 || !hf) {
+        free(xf), free(y1), free(hf);
+        return -1;
+    }
+    const int64_t bytes = P * D * (N1 * first.bits + I * down.bits) / 8;
+    #pragma omp parallel num_threads(nthreads) if (bytes >= MIN_PARALLEL_BYTES)
+    {
+        #pragma omp for schedule(static)
+        for (int64_t i = 0; i < start1[P]; i++) {
+            const int64_t p = product_of(start1, i);
+            unit_of(first.bits, xf + xf_at[p], ms[p], first.q[p], first.scales[p], first.fp16, NULL,
+                    y1 + rows_before[p] * N1, N1, D, first.G, i - start1[p]);
+        }
+        #pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            const uint16_t* y = y1 + r * N1;
+            float* h = hf + r * I;
+            if (gated) {
+                for (int64_t j = 0; j < I; j++) {
+                    const float g = bf16_to_f32(y[j]);
+                    h[j] = round_to(round_to(g / (1.f + exp_fast(-g)), 1) * bf16_to_f32(y[I + j]), 1);
+                }
+            } else {
+                for (int64_t j = 0; j < I; j++) {
+                    const float g = bf16_to_f32(y[j]) > 0.f ? bf16_to_f32(y[j]) : 0.f;
+                    h[j] = round_to(g * g, 1);
+                }
+            }
+        }
+        #pragma omp for schedule(static)
+        for (int64_t i = 0; i < start2[P]; i++) {
+            const int64_t p = product_of(start2, i);
+            unit_of(down.bits, hf + rows_before[p] * I, ms[p], down.q[p], down.scales[p], down.fp16, NULL,
+                    ys + rows_before[p] * D, D, I, down.G, i - start2[p]);
+        }
+    }
+    free(xf), free(y1), free(hf);
+    return 0;
 }
 
 /* Rows [n0, n1) of the weight as bf16, w [n1 - n0, K]: q · scale rounded to bf16 once (to nearest
