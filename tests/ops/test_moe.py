@@ -12,8 +12,8 @@ from torch import nn
 from hybridlm.models.layers import relu2
 from hybridlm.ops import moe
 from hybridlm.ops import quant as quant_module
-from hybridlm.ops.linear import rowwise
-from hybridlm.ops.moe import combine, combine_reference, quantized_experts
+from hybridlm.ops.linear import linear, rowwise
+from hybridlm.ops.moe import bf16_experts, combine, combine_reference, quantized_experts
 from hybridlm.ops.native import FEW_TOKENS
 from hybridlm.ops.quant import QuantLinear
 
@@ -128,6 +128,18 @@ def test_experts_kernel_rows_do_not_depend_on_the_rows_beside_them(isa, float_de
         assert torch.equal(got, torch.cat(alone))
 
 
+def assert_bf16_silu_times_up(got: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> None:
+    """got = bf16(bf16(silu(gate)) · up), against silu in float64: a kernel's exp may differ from the
+    exact value in the last float32 bits, so a bf16 rounding may go the other way only where silu(gate)
+    lies within 1e-6 (relative) of a rounding boundary (and such gates must be rare, or the check
+    would prove nothing)."""
+    silu = gate.double() * torch.sigmoid(gate.double())
+    want = (silu.float().bfloat16() * up).bfloat16()
+    near_boundary = (silu * (1 + 1e-6)).float().bfloat16() != (silu * (1 - 1e-6)).float().bfloat16()
+    assert ((got == want) | near_boundary).all()
+    assert near_boundary.float().mean() < 0.01
+
+
 def exact_identity(width: int) -> QuantLinear:
     """An int8 layer whose product returns its bf16 input exactly (weights 1 on the diagonal, scale 1)."""
     layer = QuantLinear(width, width, bits=8, group_size=0, bias=False)
@@ -147,11 +159,7 @@ def test_experts_kernel_gated_silu_is_bf16_silu_of_the_gate_times_the_up_rows(is
     got = quantized_experts(first, [exact_identity(width)], [x], gated=True)
     with rowwise():
         gate, up = first[0](x).chunk(2, dim=-1)
-    silu = gate.double() * torch.sigmoid(gate.double())
-    want = (silu.float().bfloat16() * up).bfloat16()
-    near_boundary = (silu * (1 + 1e-6)).float().bfloat16() != (silu * (1 - 1e-6)).float().bfloat16()
-    assert ((got == want) | near_boundary).all()
-    assert near_boundary.float().mean() < 0.01
+    assert_bf16_silu_times_up(got, gate, up)
 
 
 @needs_experts_kernel
@@ -159,3 +167,51 @@ def test_experts_of_different_kinds_are_not_computed_in_one_call():
     int4, _ = experts(1, 64, 32, ("int4", "int4"), gated=True, seed=1)
     int8, down = experts(1, 64, 32, ("int8", "int8"), gated=True, seed=1)
     assert quantized_experts([*int4, *int8], down * 2, rows_of([1, 1], 64, seed=1), gated=True) is None
+
+
+needs_bf16_experts_kernel = pytest.mark.skipif(
+    moe.BF16_EXPERTS_KERNEL.get() is None, reason="linear kernel could not be built"
+)
+
+
+def bf16_stacks(n: int, d: int, inter: int, gated: bool, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    rows = 2 * inter if gated else inter
+    first = (torch.randn(n, rows, d, generator=gen) / d**0.5).bfloat16()
+    return first, (torch.randn(n, d, inter, generator=gen) / inter**0.5).bfloat16()
+
+
+@needs_bf16_experts_kernel
+@pytest.mark.parametrize("counts", [[1] * 8, [3, 1, 20, 2]])
+def test_bf16_experts_kernel_gives_each_product_the_decode_kernels_bits(isa, counts):
+    """relu² (exact in torch's bf16 ops): the call equals each chosen expert's `linear` calls (the decode
+    kernel, each row as alone) on its rows, bit for bit; odd widths, experts picked out of order."""
+    first, down = bf16_stacks(6, 104, 40, gated=False, seed=len(counts))
+    es = [5, 0, 3, 1, 2, 4, 1, 0][: len(counts)]
+    xs = rows_of(counts, 104, seed=4)
+    with rowwise():
+        want = torch.cat([linear(relu2(linear(x, first[e])), down[e]) for e, x in zip(es, xs, strict=True)])
+    assert torch.equal(bf16_experts(first, down, es, xs, gated=False), want)
+
+
+@needs_bf16_experts_kernel
+def test_bf16_experts_kernel_rows_do_not_depend_on_the_rows_beside_them(isa):
+    first, down = bf16_stacks(4, 64, 48, gated=True, seed=5)
+    counts = [5, 1, 19, 2]
+    xs = rows_of(counts, 64, seed=9)
+    together = bf16_experts(first, down, [0, 1, 2, 3], xs, gated=True).split(counts)
+    for e, (x, got) in enumerate(zip(xs, together, strict=True)):
+        alone = [bf16_experts(first, down, [e], [x[i : i + 1]], gated=True) for i in range(x.shape[0])]
+        assert torch.equal(got, torch.cat(alone))
+
+
+@needs_bf16_experts_kernel
+def test_bf16_experts_kernel_gated_silu_is_bf16_silu_of_the_gate_times_the_up_rows(isa):
+    """As for the quantized kernel: an identity down product returns the activations."""
+    width = 64
+    first, _ = bf16_stacks(1, width, width, gated=True, seed=12)
+    x = rows_of([FEW_TOKENS], width, seed=2)[0]
+    got = bf16_experts(first, torch.eye(width, dtype=BF16)[None], [0], [x], gated=True)
+    with rowwise():
+        gate, up = linear(x, first[0]).chunk(2, dim=-1)
+    assert_bf16_silu_times_up(got, gate, up)

@@ -29,7 +29,14 @@ from hybridlm.models.checkpoint import CheckpointError, take
 from hybridlm.models.layers import ACTIVATIONS
 from hybridlm.ops.elementwise import elementwise_rows
 from hybridlm.ops.linear import Linear, linear, linear_grouped, rowwise_applies
-from hybridlm.ops.moe import EXPERTS_KERNEL, KERNEL_ACTIVATIONS, combine, quantized_experts
+from hybridlm.ops.moe import (
+    BF16_EXPERTS_KERNEL,
+    EXPERTS_KERNEL,
+    KERNEL_ACTIVATIONS,
+    bf16_experts,
+    combine,
+    quantized_experts,
+)
 from hybridlm.ops.native import FEW_TOKENS
 from hybridlm.ops.quant import INT4_GROUP, QuantLinear, grouped_quantized
 from hybridlm.ops.quant_gemm import integer_int4_decode, prompt_rows_on
@@ -127,8 +134,36 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [N, d], index / weights [N, k] -> [N, d] (see `dispatch`). Each expert runs as one matmul
         per projection over its tokens on a view of its weights (`ops.linear.linear`, so few-token
-        bf16 calls take the decode kernel)."""
+        bf16 calls take the decode kernel); decode rows of bf16 experts whose activation the experts
+        kernel computes take one call of it for every chosen expert (`ops.moe.bf16_experts`)."""
+        if self._fuses(x):
+            return dispatch(x.contiguous(), index, weights, self.expert, self.fused)
         return dispatch(x, index, weights, self.expert, self.grouped)
+
+    def _fuses(self, x: torch.Tensor) -> bool:
+        """Whether x's rows are decode rows the experts kernel computes: few (or inside `rowwise`),
+        outside `prompt_rows`, bf16 on the CPU with contiguous bf16 weights, outside autograd and
+        torch.compile."""
+        first, down = self._parameters[self.first], self._parameters["down_proj"]
+        grad = torch.is_grad_enabled()
+        return (
+            (self.act_name, self.gated) in KERNEL_ACTIVATIONS
+            and x.dtype is torch.bfloat16
+            and x.is_cpu
+            and (x.shape[0] <= FEW_TOKENS or rowwise_applies(x))
+            and not prompt_rows_on()
+            and first.dtype is torch.bfloat16
+            and first.is_cpu
+            and first.is_contiguous()
+            and down.is_contiguous()
+            and not (grad and (first.requires_grad or down.requires_grad or x.requires_grad))
+            and not torch.compiler.is_compiling()
+            and BF16_EXPERTS_KERNEL.get() is not None
+        )
+
+    def fused(self, es: list[int], xs: list[torch.Tensor]) -> torch.Tensor:
+        """Experts es[i] on rows xs[i] by the experts kernel, stacked [Σ rows, d]."""
+        return bf16_experts(self._parameters[self.first], self._parameters["down_proj"], es, xs, self.gated)
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert e on rows x [n, d] -> [n, d]."""

@@ -1,6 +1,6 @@
-"""The routed experts on the CPU: `quantized_experts` (every chosen int8 / int4 expert of a few tokens,
-both projections and the activation, in one C call) and `combine` (their outputs added into their
-tokens' rows, the C kernel) beside `combine_reference` (its definition, torch's `index_add_`).
+"""The routed experts on the CPU: `quantized_experts` / `bf16_experts` (every chosen expert of a few
+tokens, both projections and the activation, in one C call) and `combine` (their outputs added into
+their tokens' rows, the C kernel) beside `combine_reference` (its definition, torch's `index_add_`).
 
 The definition's ops (zeroed accumulator, weighting, float32 staging, `index_add_`, cast) measured
 51 µs for one token's 8 experts at width 1024 on 2 Xeon cores, 19 % of a Qwen3.5-MoE int4 layer's
@@ -31,7 +31,12 @@ EXPERTS_KERNEL = NativeKernel(
     [_p, _p, _i64, _Projection, _Projection, _int, _p, _i64, _i64, _int], _int,
     fallback="the experts' products one projection at a time",
 )
-# The activations the experts kernel computes, with whether the expert is gated (its first product holds
+BF16_EXPERTS_KERNEL = NativeKernel(
+    "linear_bf16", "linear.c", "hybridlm_moe_experts_bf16",
+    [_p, _p, _i64, _p, _p, _int, _p, _i64, _i64, _int], _int,
+    fallback="the experts' products one projection at a time",
+)
+# The activations the experts kernels compute, with whether the expert is gated (its first product holds
 # gate rows then up rows).
 KERNEL_ACTIVATIONS = {("silu", True), ("relu2", False)}
 
@@ -63,6 +68,27 @@ def quantized_experts(
     EXPERTS_KERNEL.get()(
         int64_array([x.data_ptr() for x in xs]), int64_array(rows), len(xs), *projections, int(gated),
         ys.data_ptr(), d, inter, torch.get_num_threads(),
+    )
+    return ys
+
+
+def bf16_experts(
+    first: torch.Tensor, down: torch.Tensor, es: list[int], xs: list[torch.Tensor], gated: bool
+) -> torch.Tensor:
+    """`quantized_experts` with bf16 weights: experts es[i] of the stacks first [E, 2·I or I, d] and down
+    [E, d, I] (CPU, contiguous) on rows xs[i] [M_i, d] bf16 (contiguous) -> their outputs stacked
+    [Σ M_i, d] by one `BF16_EXPERTS_KERNEL` call (callers check it is built); each product with the
+    bits of `ops.linear.linear`'s decode kernel on those rows."""
+    rows = [x.shape[0] for x in xs]
+    d, inter = first.shape[2], down.shape[2]
+    ys = xs[0].new_empty((sum(rows), d))
+    # an expert's weights by address: a view per expert would cost microseconds each
+    first_at, first_step = first.data_ptr(), first.stride(0) * first.element_size()
+    down_at, down_step = down.data_ptr(), down.stride(0) * down.element_size()
+    firsts, downs = [first_at + e * first_step for e in es], [down_at + e * down_step for e in es]
+    BF16_EXPERTS_KERNEL.get()(
+        int64_array([x.data_ptr() for x in xs]), int64_array(rows), len(xs), int64_array(firsts),
+        int64_array(downs), int(gated), ys.data_ptr(), d, inter, torch.get_num_threads(),
     )
     return ys
 

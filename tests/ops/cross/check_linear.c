@@ -1,4 +1,6 @@
-/* linear.c on this ISA against float64: y = x w^T + bias for 1..17 rows, each row equal to itself alone. */
+/* linear.c on this ISA against float64: y = x w^T + bias for 1..17 rows, each row equal to itself alone;
+   the experts kernel (relu², products of 1, 5 and 17 rows) equal to its products' own calls with the
+   activation between. */
 #include "linear.c"
 #include "check.h"
 
@@ -24,6 +26,20 @@ int main(void) {
             if (hybridlm_linear_bf16(x + m * K, 1, w, b, one, N, K, 1)) return 2;
             expect_same("linear_bf16", y + m * N, one, N);
         }
+    }
+    /* experts: first [I, D] = w's rows, down [D, I] = w's first D·I values as a matrix */
+    const int64_t D = K, I = N, ms[3] = {1, 5, 17};
+    const uint16_t *xs[3] = {x, x + K, x}, *w1[3] = {w, w, w}, *w2[3] = {w, w, w};
+    uint16_t *ys = malloc((1 + 5 + 17) * D * 2), *h = malloc(M * I * 2), *y2 = malloc(M * D * 2);
+    if (hybridlm_moe_experts_bf16(xs, ms, 3, w1, w2, 0, ys, D, I, 2)) return 2;
+    for (int64_t p = 0, row = 0; p < 3; row += ms[p], p++) {
+        if (hybridlm_linear_bf16(xs[p], ms[p], w, NULL, y, I, D, 1)) return 2;
+        for (int64_t i = 0; i < ms[p] * I; i++) {
+            const float g = bf16_to_f32(y[i]) > 0.f ? bf16_to_f32(y[i]) : 0.f;
+            h[i] = f32_to_bf16(g * g);
+        }
+        if (hybridlm_linear_bf16(h, ms[p], w, NULL, y2, D, I, 1)) return 2;
+        expect_same("experts", ys + row * D, y2, ms[p] * D);
     }
     printf(failures ? "FAILED\n" : "ok\n");
     return failures != 0;

@@ -48,6 +48,17 @@ static inline float exp_fast(float x) {
     memcpy(&scale, &bits, 4);
     return y * scale;
 }
+/* Element j < I of an expert's hidden row from its first product y (bf16): gated, y = gate ‖ up [2·I]
+   and the hidden value is silu(gate) rounded to bf16, times up, rounded to bf16 (torch's bf16 silu and
+   multiply); not gated, y [I] and it is relu(y)² rounded to bf16 (Nemotron-H's relu² experts). The
+   experts kernels of quant.c and linear.c, so a hidden row has the same bits in both. */
+static inline __attribute__((always_inline)) float expert_hidden(const uint16_t* y, int64_t I, int64_t j,
+                                                                 int gated) {
+    const float g = bf16_to_f32(y[j]);
+    if (gated) return round_to(round_to(g / (1.f + exp_fast(-g)), 1) * bf16_to_f32(y[I + j]), 1);
+    const float r = g > 0.f ? g : 0.f;
+    return round_to(r * r, 1);
+}
 /* Σ x[base + i]² over i < D: SQUARE_LANES partial sums (element i into lane i % SQUARE_LANES) added in a
    fixed tree, then the elements past the last full block one by one; the loop vectorizes, and the sum
    depends only on the D values (the norms of norms.c and mamba2.c). */

@@ -217,3 +217,50 @@ int hybridlm_linear_bf16_grouped(const uint16_t* const* xs, const int64_t* ms, c
     free(xf);
     return 0;
 }
+
+/* The routed experts of a few tokens in one parallel region, as hybridlm_moe_experts (quant.c) with bf16
+   weights: expert p's first product over its rows xs[p] [ms[p], D] (w1[p] [N1, D]: gate rows then up
+   rows when gated, N1 = 2·I, else N1 = I), the activation expert_hidden (bf16.h), the down product
+   (w2[p] [D, I]); ys [Σ ms, D], expert p's rows after expert p - 1's. Each product's row blocks are
+   hybridlm_linear_bf16's, so a row has the bits of its own calls whatever else the call holds.
+   Returns 0 or -1 (out of memory). */
+int hybridlm_moe_experts_bf16(const uint16_t* const* xs, const int64_t* ms, int64_t P, const uint16_t* const* w1,
+                              const uint16_t* const* w2, int gated, uint16_t* ys, int64_t D, int64_t I,
+                              int nthreads) {
+    const int64_t N1 = gated ? 2 * I : I, blocks1 = (N1 + RB - 1) / RB, blocks2 = (D + RB - 1) / RB;
+    int64_t before[P + 1]; /* expert p's first row */
+    before[0] = 0;
+    for (int64_t p = 0; p < P; p++) before[p + 1] = before[p] + ms[p];
+    const int64_t rows = before[P];
+    uint16_t *y1 = malloc((size_t)(rows * N1) * 2), *h = malloc((size_t)(rows * I) * 2);
+    float *xf = X_AS_F32 ? malloc((size_t)(rows * D) * sizeof(float)) : NULL;
+    float *hf = X_AS_F32 ? malloc((size_t)(rows * I) * sizeof(float)) : NULL;
+    if (!y1 || !h || (X_AS_F32 && (!xf || !hf))) {
+        free(y1), free(h), free(xf), free(hf);
+        return -1;
+    }
+    if (X_AS_F32)
+        for (int64_t p = 0; p < P; p++) to_f32(xs[p], ms[p], D, xf + before[p] * D);
+    #pragma omp parallel num_threads(nthreads) if (P * D * (N1 + I) >= 65536)
+    {
+        #pragma omp for schedule(static)
+        for (int64_t i = 0; i < P * blocks1; i++) {
+            const int64_t p = i / blocks1;
+            row_block(xs[p], xf ? xf + before[p] * D : NULL, ms[p], w1[p], NULL, y1 + before[p] * N1, N1, D,
+                      i % blocks1 * RB);
+        }
+        #pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            for (int64_t j = 0; j < I; j++) h[r * I + j] = f32_to_bf16(expert_hidden(y1 + r * N1, I, j, gated));
+            if (X_AS_F32) to_f32(h + r * I, 1, I, hf + r * I);
+        }
+        #pragma omp for schedule(static)
+        for (int64_t i = 0; i < P * blocks2; i++) {
+            const int64_t p = i / blocks2;
+            row_block(h + before[p] * I, hf ? hf + before[p] * I : NULL, ms[p], w2[p], NULL, ys + before[p] * D, D,
+                      I, i % blocks2 * RB);
+        }
+    }
+    free(y1), free(h), free(xf), free(hf);
+    return 0;
+}

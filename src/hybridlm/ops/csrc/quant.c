@@ -482,9 +482,8 @@ typedef struct {
    p's first product over its rows xs[p] [ms[p], D] (first.q[p] [N1, D]: gate rows then up rows when
    gated, N1 = 2·I, else up rows, N1 = I), the activation, then its down product (down.q[p] [D, I]);
    ys [Σ ms, D] bf16, expert p's rows after expert p - 1's. Each product is computed by the units of the
-   linear kernels, so a row has the bits of its own calls whatever else the call holds. The activation
-   rounds as torch's bf16 ops round: gated, silu: h = bf16(bf16(g / (1 + exp(-g))) · u) with exp_fast;
-   not gated, relu²: h = bf16(max(g, 0)²). Returns 0 or -1 (out of memory). */
+   linear kernels, so a row has the bits of its own calls whatever else the call holds; the activation
+   is expert_hidden (bf16.h). Returns 0 or -1 (out of memory). */
 int hybridlm_moe_experts(const uint16_t* const* xs, const int64_t* ms, int64_t P, projection first,
                          projection down, int gated, uint16_t* ys, int64_t D, int64_t I, int nthreads) {
     const int64_t N1 = gated ? 2 * I : I;
@@ -515,19 +514,7 @@ int hybridlm_moe_experts(const uint16_t* const* xs, const int64_t* ms, int64_t P
         }
         #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {
-            const uint16_t* y = y1 + r * N1;
-            float* h = hf + r * I;
-            if (gated) {
-                for (int64_t j = 0; j < I; j++) {
-                    const float g = bf16_to_f32(y[j]);
-                    h[j] = round_to(round_to(g / (1.f + exp_fast(-g)), 1) * bf16_to_f32(y[I + j]), 1);
-                }
-            } else {
-                for (int64_t j = 0; j < I; j++) {
-                    const float g = bf16_to_f32(y[j]) > 0.f ? bf16_to_f32(y[j]) : 0.f;
-                    h[j] = round_to(g * g, 1);
-                }
-            }
+            for (int64_t j = 0; j < I; j++) hf[r * I + j] = expert_hidden(y1 + r * N1, I, j, gated);
         }
         #pragma omp for schedule(static)
         for (int64_t i = 0; i < start2[P]; i++) {
