@@ -285,8 +285,8 @@ def test_a_step_reads_only_the_chosen_experts_each_once(quantized):
     experts.expert = lambda e, rows: calls.append(e) or expert(e, rows)
 
     def counted(run):
-        def grouped(es, rows):
-            ys = run(es, rows)
+        def grouped(es, *rows_and_pairs):
+            ys = run(es, *rows_and_pairs)
             calls.extend(es if ys is not None else [])
             return ys
 

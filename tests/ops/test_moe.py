@@ -13,7 +13,7 @@ from hybridlm.models.layers import relu2
 from hybridlm.ops import moe
 from hybridlm.ops import quant as quant_module
 from hybridlm.ops.linear import linear, rowwise
-from hybridlm.ops.moe import bf16_experts, combine, combine_reference, quantized_experts
+from hybridlm.ops.moe import Pairs, bf16_experts, combine, combine_reference, quantized_experts
 from hybridlm.ops.native import FEW_TOKENS
 from hybridlm.ops.quant import QuantLinear
 
@@ -81,6 +81,12 @@ def experts(n: int, d: int, inter: int, schemes: tuple[str, str], gated: bool, s
     return [quantized(w, schemes[0], scales) for w in first], [quantized(w, schemes[1], scales) for w in down]
 
 
+def each_its_own(xs: list[torch.Tensor]) -> Pairs:
+    """Every row its own token with weight 1: the combined rows are the experts' stacked outputs."""
+    rows = sum(x.shape[0] for x in xs)
+    return Pairs(torch.ones(rows, 1), list(range(rows)), list(range(rows)), rows)
+
+
 def rows_of(counts: list[int], d: int, seed: int) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     return [(2 * torch.randn(m, d, generator=gen)).bfloat16() for m in counts]
@@ -114,7 +120,7 @@ def test_experts_kernel_gives_each_product_its_layers_decode_bits(
     xs = rows_of(counts, 104, seed=3)
     with rowwise():
         want = torch.cat([down_i(relu2(up(x))) for up, down_i, x in zip(first, down, xs, strict=True)])
-    assert torch.equal(quantized_experts(first, down, xs, gated=False), want)
+    assert torch.equal(quantized_experts(first, down, xs, False, each_its_own(xs)), want)
 
 
 @needs_experts_kernel
@@ -122,9 +128,9 @@ def test_experts_kernel_rows_do_not_depend_on_the_rows_beside_them(isa, float_de
     first, down = experts(4, 64, 48, ("int4", "int4"), gated=True, seed=5)
     counts = [5, 1, 19, 2]
     xs = rows_of(counts, 64, seed=9)
-    together = quantized_experts(first, down, xs, gated=True).split(counts)
+    together = quantized_experts(first, down, xs, True, each_its_own(xs)).split(counts)
     for f, dn, x, got in zip(first, down, xs, together, strict=True):
-        alone = [quantized_experts([f], [dn], [x[i : i + 1]], gated=True) for i in range(x.shape[0])]
+        alone = [quantized_experts([f], [dn], [row], True, each_its_own([row])) for row in x.split(1)]
         assert torch.equal(got, torch.cat(alone))
 
 
@@ -156,7 +162,7 @@ def test_experts_kernel_gated_silu_is_bf16_silu_of_the_gate_times_the_up_rows(is
     width = 64
     first, _ = experts(1, width, width, ("int4", "int8"), gated=True, seed=11)
     x = rows_of([FEW_TOKENS], width, seed=2)[0]
-    got = quantized_experts(first, [exact_identity(width)], [x], gated=True)
+    got = quantized_experts(first, [exact_identity(width)], [x], True, each_its_own([x]))
     with rowwise():
         gate, up = first[0](x).chunk(2, dim=-1)
     assert_bf16_silu_times_up(got, gate, up)
@@ -166,7 +172,8 @@ def test_experts_kernel_gated_silu_is_bf16_silu_of_the_gate_times_the_up_rows(is
 def test_experts_of_different_kinds_are_not_computed_in_one_call():
     int4, _ = experts(1, 64, 32, ("int4", "int4"), gated=True, seed=1)
     int8, down = experts(1, 64, 32, ("int8", "int8"), gated=True, seed=1)
-    assert quantized_experts([*int4, *int8], down * 2, rows_of([1, 1], 64, seed=1), gated=True) is None
+    xs = rows_of([1, 1], 64, seed=1)
+    assert quantized_experts([*int4, *int8], down * 2, xs, True, each_its_own(xs)) is None
 
 
 needs_bf16_experts_kernel = pytest.mark.skipif(
@@ -191,7 +198,7 @@ def test_bf16_experts_kernel_gives_each_product_the_decode_kernels_bits(isa, cou
     xs = rows_of(counts, 104, seed=4)
     with rowwise():
         want = torch.cat([linear(relu2(linear(x, first[e])), down[e]) for e, x in zip(es, xs, strict=True)])
-    assert torch.equal(bf16_experts(first, down, es, xs, gated=False), want)
+    assert torch.equal(bf16_experts(first, down, es, xs, False, each_its_own(xs)), want)
 
 
 @needs_bf16_experts_kernel
@@ -199,9 +206,9 @@ def test_bf16_experts_kernel_rows_do_not_depend_on_the_rows_beside_them(isa):
     first, down = bf16_stacks(4, 64, 48, gated=True, seed=5)
     counts = [5, 1, 19, 2]
     xs = rows_of(counts, 64, seed=9)
-    together = bf16_experts(first, down, [0, 1, 2, 3], xs, gated=True).split(counts)
+    together = bf16_experts(first, down, [0, 1, 2, 3], xs, True, each_its_own(xs)).split(counts)
     for e, (x, got) in enumerate(zip(xs, together, strict=True)):
-        alone = [bf16_experts(first, down, [e], [x[i : i + 1]], gated=True) for i in range(x.shape[0])]
+        alone = [bf16_experts(first, down, [e], [row], True, each_its_own([row])) for row in x.split(1)]
         assert torch.equal(got, torch.cat(alone))
 
 
@@ -211,7 +218,29 @@ def test_bf16_experts_kernel_gated_silu_is_bf16_silu_of_the_gate_times_the_up_ro
     width = 64
     first, _ = bf16_stacks(1, width, width, gated=True, seed=12)
     x = rows_of([FEW_TOKENS], width, seed=2)[0]
-    got = bf16_experts(first, torch.eye(width, dtype=BF16)[None], [0], [x], gated=True)
+    got = bf16_experts(first, torch.eye(width, dtype=BF16)[None], [0], [x], True, each_its_own([x]))
     with rowwise():
         gate, up = linear(x, first[0]).chunk(2, dim=-1)
     assert_bf16_silu_times_up(got, gate, up)
+
+
+@needs_experts_kernel
+@needs_bf16_experts_kernel
+@pytest.mark.parametrize("weights_dtype", [torch.float32, torch.bfloat16])
+def test_experts_kernels_add_the_pairs_into_their_tokens_rows_as_combine_does(
+    isa, float_decode_tiles, weights_dtype
+):
+    """The kernels' last step is `combine`: 4 tokens × 2 experts each, the pairs in dispatch's order
+    (by expert), against `combine_reference` of the same experts' stacked outputs."""
+    tokens, k, counts = 4, 2, [3, 1, 2, 2]
+    _, weights, w_at, rows = routed(tokens, k, 64, weights_dtype, seed=3)
+    xs = rows_of(counts, 64, seed=6)
+    first, down = experts(4, 64, 32, ("int4", "int8"), gated=True, seed=2)
+    stacked = quantized_experts(first, down, xs, True, each_its_own(xs))
+    want = combine_reference(stacked, weights, w_at, rows, tokens)
+    assert torch.equal(quantized_experts(first, down, xs, True, Pairs(weights, w_at, rows, tokens)), want)
+    first, down = bf16_stacks(4, 64, 32, gated=True, seed=2)
+    stacked = bf16_experts(first, down, [0, 1, 2, 3], xs, True, each_its_own(xs))
+    want = combine_reference(stacked, weights, w_at, rows, tokens)
+    pairs = Pairs(weights, w_at.tolist(), rows.tolist(), tokens)
+    assert torch.equal(bf16_experts(first, down, [0, 1, 2, 3], xs, True, pairs), want)

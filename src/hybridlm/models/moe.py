@@ -33,6 +33,7 @@ from hybridlm.ops.moe import (
     BF16_EXPERTS_KERNEL,
     EXPERTS_KERNEL,
     KERNEL_ACTIVATIONS,
+    Pairs,
     bf16_experts,
     combine,
     quantized_experts,
@@ -50,12 +51,15 @@ def dispatch(
     weights: torch.Tensor,
     expert: Callable[[int, torch.Tensor], torch.Tensor],
     experts: Callable[[list[int], list[torch.Tensor]], torch.Tensor | None] | None = None,
+    combined: Callable[[list[int], list[torch.Tensor], Pairs], torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
     """Routed experts over tokens: x [N, d], index / weights [N, k] (expert ids; routing weights,
     float32 or x's dtype: each expert's output is multiplied in that dtype), `expert(e, rows)` the
     output [n, d] of expert e on rows [n, d] -> [N, d] in x's dtype. `experts(es, rows)`, where given,
     computes every chosen expert at once with the bits `expert` gives each, their outputs stacked
-    [Σ n, d] in the order of es (None: it does not apply).
+    [Σ n, d] in the order of es (None: it does not apply); `combined(es, rows, pairs)`, where given,
+    also adds them into the tokens' rows as `ops.moe.combine` does, returning [N, d] (None: it does
+    not apply).
 
     Tokens are grouped by expert and only the experts some token selected run, each once over all
     its tokens: at decode that reads exactly the k selected experts' weights, in a batched step or a
@@ -76,6 +80,11 @@ def dispatch(
         tokens = w_at // k
         chosen, bounds = hit.tolist(), [0, *torch.cumsum(sizes, 0).tolist()]
         inputs = [x[tokens[a:b]] for a, b in zip(bounds, bounds[1:], strict=False)]
+    pairs = Pairs(weights, w_at, tokens, x.shape[0])
+    if combined is not None:
+        out = combined(chosen, inputs, pairs)
+        if out is not None:
+            return out
     ys = experts(chosen, inputs) if experts is not None else None
     if ys is None:
         ys = torch.cat([expert(e, xe) for e, xe in zip(chosen, inputs, strict=True)])
@@ -136,18 +145,19 @@ class Experts(nn.Module):
         per projection over its tokens on a view of its weights (`ops.linear.linear`, so few-token
         bf16 calls take the decode kernel); decode rows of bf16 experts whose activation the experts
         kernel computes take one call of it for every chosen expert (`ops.moe.bf16_experts`)."""
-        if self._fuses(x):
-            return dispatch(x.contiguous(), index, weights, self.expert, self.fused)
+        if self._fuses(x, weights):
+            return dispatch(x.contiguous(), index, weights, self.expert, self.grouped, self.fused)
         return dispatch(x, index, weights, self.expert, self.grouped)
 
-    def _fuses(self, x: torch.Tensor) -> bool:
+    def _fuses(self, x: torch.Tensor, weights: torch.Tensor) -> bool:
         """Whether x's rows are decode rows the experts kernel computes: few (or inside `rowwise`),
-        outside `prompt_rows`, bf16 on the CPU with contiguous bf16 weights, outside autograd and
-        torch.compile."""
+        outside `prompt_rows`, bf16 on the CPU with contiguous bf16 weights, routing weights float32 or
+        bf16, outside autograd and torch.compile."""
         first, down = self._parameters[self.first], self._parameters["down_proj"]
         grad = torch.is_grad_enabled()
         return (
             (self.act_name, self.gated) in KERNEL_ACTIVATIONS
+            and weights.dtype in (torch.float32, torch.bfloat16)
             and x.dtype is torch.bfloat16
             and x.is_cpu
             and (x.shape[0] <= FEW_TOKENS or rowwise_applies(x))
@@ -161,9 +171,10 @@ class Experts(nn.Module):
             and BF16_EXPERTS_KERNEL.get() is not None
         )
 
-    def fused(self, es: list[int], xs: list[torch.Tensor]) -> torch.Tensor:
-        """Experts es[i] on rows xs[i] by the experts kernel, stacked [Σ rows, d]."""
-        return bf16_experts(self._parameters[self.first], self._parameters["down_proj"], es, xs, self.gated)
+    def fused(self, es: list[int], xs: list[torch.Tensor], pairs: Pairs) -> torch.Tensor:
+        """Experts es[i] on rows xs[i] combined by `pairs`, by the experts kernel: [pairs.n, d]."""
+        first, down = self._parameters[self.first], self._parameters["down_proj"]
+        return bf16_experts(first, down, es, xs, self.gated, pairs)
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert e on rows x [n, d] -> [n, d]."""
@@ -221,15 +232,17 @@ class QuantExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [N, d], index / weights [N, k] -> [N, d] (see `dispatch`)."""
-        if self._fuses(x):
-            return dispatch(x.contiguous(), index, weights, self.expert, self.fused)
+        if self._fuses(x, weights):
+            return dispatch(x.contiguous(), index, weights, self.expert, self.grouped, self.fused)
         return dispatch(x, index, weights, self.expert, self.grouped)
 
-    def _fuses(self, x: torch.Tensor) -> bool:
+    def _fuses(self, x: torch.Tensor, weights: torch.Tensor) -> bool:
         """Whether x's rows are decode rows the experts kernel computes: few (or inside `rowwise`), bf16
-        on the CPU, outside `prompt_rows`, on a CPU whose int4 decode rows take the float tiles."""
+        on the CPU, routing weights float32 or bf16, outside `prompt_rows`, on a CPU whose int4 decode
+        rows take the float tiles."""
         return (
             self.fusable
+            and weights.dtype in (torch.float32, torch.bfloat16)
             and x.dtype is torch.bfloat16
             and x.is_cpu
             and (x.shape[0] <= FEW_TOKENS or rowwise_applies(x))
@@ -240,12 +253,12 @@ class QuantExperts(nn.Module):
             and not (self.int4 and integer_int4_decode())
         )
 
-    def fused(self, es: list[int], xs: list[torch.Tensor]) -> torch.Tensor | None:
-        """Experts es[i] on rows xs[i] by the experts kernel, stacked [Σ rows, d] (None: the chosen
-        experts' layers differ in kind, see `quantized_experts`)."""
+    def fused(self, es: list[int], xs: list[torch.Tensor], pairs: Pairs) -> torch.Tensor | None:
+        """Experts es[i] on rows xs[i] combined by `pairs`, by the experts kernel: [pairs.n, d] (None:
+        the chosen experts' layers differ in kind, see `quantized_experts`)."""
         first, down = self._modules[self.first]._modules, self.down_proj._modules
         keys = [str(e) for e in es]
-        return quantized_experts([first[k] for k in keys], [down[k] for k in keys], xs, self.gated)
+        return quantized_experts([first[k] for k in keys], [down[k] for k in keys], xs, self.gated, pairs)
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert e on rows x [n, d] -> [n, d]."""

@@ -1,6 +1,7 @@
 """The routed experts on the CPU: `quantized_experts` / `bf16_experts` (every chosen expert of a few
-tokens, both projections and the activation, in one C call) and `combine` (their outputs added into
-their tokens' rows, the C kernel) beside `combine_reference` (its definition, torch's `index_add_`).
+tokens, both projections, the activation and the weighted sum into the tokens' rows in one C call)
+and `combine` (the experts' outputs added into their tokens' rows, the C kernel) beside
+`combine_reference` (its definition, torch's `index_add_`).
 
 The definition's ops (zeroed accumulator, weighting, float32 staging, `index_add_`, cast) measured
 51 µs for one token's 8 experts at width 1024 on 2 Xeon cores, 19 % of a Qwen3.5-MoE int4 layer's
@@ -10,6 +11,7 @@ expert time in a py-spy profile.
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 
 import torch
 
@@ -28,12 +30,12 @@ class _Projection(ctypes.Structure):
 
 EXPERTS_KERNEL = NativeKernel(
     "quant", "quant.c", "hybridlm_moe_experts",
-    [_p, _p, _i64, _Projection, _Projection, _int, _p, _i64, _i64, _int], _int,
+    [_p, _p, _i64, _Projection, _Projection, _int, _p, _int, _p, _p, _p, _i64, _i64, _i64, _int], _int,
     fallback="the experts' products one projection at a time",
 )
 BF16_EXPERTS_KERNEL = NativeKernel(
     "linear_bf16", "linear.c", "hybridlm_moe_experts_bf16",
-    [_p, _p, _i64, _p, _p, _int, _p, _i64, _i64, _int], _int,
+    [_p, _p, _i64, _p, _p, _int, _p, _int, _p, _p, _p, _i64, _i64, _i64, _int], _int,
     fallback="the experts' products one projection at a time",
 )
 # The activations the experts kernels compute, with whether the expert is gated (its first product holds
@@ -46,51 +48,75 @@ COMBINE_KERNEL = NativeKernel(
 )
 
 
+@dataclass(frozen=True)
+class Pairs:
+    """How a call's expert rows combine into its tokens' rows (`models.moe.dispatch`): pair p (row p of
+    the experts' stacked outputs) is token `tokens[p]`'s product with the expert its routing weight
+    `weights.flatten()[w_at[p]]` belongs to; weights [N, k] float32 or bf16, `n` tokens."""
+
+    weights: torch.Tensor
+    w_at: list[int] | torch.Tensor
+    tokens: list[int] | torch.Tensor
+    n: int
+
+    def arguments(self) -> tuple[tuple, tuple]:
+        """The kernels' arguments (the weights' address, whether they are bf16, w_at and tokens as C
+        arrays or addresses), and what must stay alive until the call returns."""
+        weights, w_at, tokens = self.weights.contiguous(), _int64(self.w_at), _int64(self.tokens)
+        bf16 = int(weights.dtype is torch.bfloat16)
+        return (weights.data_ptr(), bf16, _address(w_at), _address(tokens)), (weights, w_at, tokens)
+
+
 def quantized_experts(
-    first: list[QuantLinear], down: list[QuantLinear], xs: list[torch.Tensor], gated: bool
+    first: list[QuantLinear], down: list[QuantLinear], xs: list[torch.Tensor], gated: bool, pairs: Pairs
 ) -> torch.Tensor | None:
     """Experts i on rows xs[i] [M_i, d] bf16 (CPU, contiguous): first[i] [2·I or I, d] (gate rows then
-    up rows when `gated`: silu(gate) · up; else relu(up)²), down[i] [d, I] -> their outputs stacked
-    [Σ M_i, d] bf16 by one `EXPERTS_KERNEL` call (callers check it is built); None unless the first
-    layers are of one kind, the down layers of one kind, none with a bias. Each product has the bits
-    of its layer's decode kernel on those rows; the activation rounds where torch's bf16 ops round,
-    its exp by the kernels' `exp_fast`."""
+    up rows when `gated`: silu(gate) · up; else relu(up)²), down[i] [d, I]; their outputs (stacked,
+    expert i's rows after expert i - 1's) combined into the tokens' rows by `pairs` -> [pairs.n, d]
+    bf16, by one `EXPERTS_KERNEL` call (callers check it is built, and that the weights are float32 or
+    bf16 and contiguous); None unless the first layers are of one kind, the down layers of one kind,
+    none with a bias. Each product has the bits of its layer's decode kernel on those rows; the
+    activation rounds where torch's bf16 ops round, its exp by the kernels' `exp_fast`; the sum is
+    `combine`'s."""
     if not (one_kind(first) and one_kind(down)):
         return None
     rows = [x.shape[0] for x in xs]
     d, inter = first[0].in_features, down[0].in_features
-    ys = xs[0].new_empty((sum(rows), d))
+    out = xs[0].new_empty((pairs.n, d))
     addresses = [_addresses(layers) for layers in (first, down)]  # alive until the call returns
     projections = [
         _Projection(layers[0].bits, fp16, layers[0].group_size, ctypes.addressof(q), ctypes.addressof(s))
         for layers, (q, s, fp16) in zip((first, down), addresses, strict=True)
     ]
+    combining, _alive = pairs.arguments()
     EXPERTS_KERNEL.get()(
         int64_array([x.data_ptr() for x in xs]), int64_array(rows), len(xs), *projections, int(gated),
-        ys.data_ptr(), d, inter, torch.get_num_threads(),
+        *combining, out.data_ptr(), pairs.n, d, inter, torch.get_num_threads(),
     )
-    return ys
+    return out
 
 
 def bf16_experts(
-    first: torch.Tensor, down: torch.Tensor, es: list[int], xs: list[torch.Tensor], gated: bool
+    first: torch.Tensor, down: torch.Tensor, es: list[int], xs: list[torch.Tensor], gated: bool, pairs: Pairs
 ) -> torch.Tensor:
     """`quantized_experts` with bf16 weights: experts es[i] of the stacks first [E, 2·I or I, d] and down
-    [E, d, I] (CPU, contiguous) on rows xs[i] [M_i, d] bf16 (contiguous) -> their outputs stacked
-    [Σ M_i, d] by one `BF16_EXPERTS_KERNEL` call (callers check it is built); each product with the
+    [E, d, I] (CPU, contiguous) on rows xs[i] [M_i, d] bf16 (contiguous), combined by `pairs` ->
+    [pairs.n, d] by one `BF16_EXPERTS_KERNEL` call (callers check it is built); each product with the
     bits of `ops.linear.linear`'s decode kernel on those rows."""
     rows = [x.shape[0] for x in xs]
     d, inter = first.shape[2], down.shape[2]
-    ys = xs[0].new_empty((sum(rows), d))
+    out = xs[0].new_empty((pairs.n, d))
     # an expert's weights by address: a view per expert would cost microseconds each
     first_at, first_step = first.data_ptr(), first.stride(0) * first.element_size()
     down_at, down_step = down.data_ptr(), down.stride(0) * down.element_size()
     firsts, downs = [first_at + e * first_step for e in es], [down_at + e * down_step for e in es]
+    combining, _alive = pairs.arguments()
     BF16_EXPERTS_KERNEL.get()(
         int64_array([x.data_ptr() for x in xs]), int64_array(rows), len(xs), int64_array(firsts),
-        int64_array(downs), int(gated), ys.data_ptr(), d, inter, torch.get_num_threads(),
+        int64_array(downs), int(gated), *combining, out.data_ptr(), pairs.n, d, inter,
+        torch.get_num_threads(),
     )
-    return ys
+    return out
 
 
 def _addresses(layers: list[QuantLinear]) -> tuple[ctypes.Array, ctypes.Array, int]:

@@ -31,7 +31,11 @@ int main(void) {
     const int64_t D = K, I = N, ms[3] = {1, 5, 17};
     const uint16_t *xs[3] = {x, x + K, x}, *w1[3] = {w, w, w}, *w2[3] = {w, w, w};
     uint16_t *ys = malloc((1 + 5 + 17) * D * 2), *h = malloc(M * I * 2), *y2 = malloc(M * D * 2);
-    if (hybridlm_moe_experts_bf16(xs, ms, 3, w1, w2, 0, ys, D, I, 2)) return 2;
+    /* each pair its own token, weight 1: the combined rows are the pairs' outputs */
+    float ones[23];
+    int64_t each[23];
+    for (int i = 0; i < 23; i++) ones[i] = 1.f, each[i] = i;
+    if (hybridlm_moe_experts_bf16(xs, ms, 3, w1, w2, 0, ones, 0, each, each, ys, 23, D, I, 2)) return 2;
     for (int64_t p = 0, row = 0; p < 3; row += ms[p], p++) {
         if (hybridlm_linear_bf16(xs[p], ms[p], w, NULL, y, I, D, 1)) return 2;
         for (int64_t i = 0; i < ms[p] * I; i++) {

@@ -6,6 +6,7 @@
    elsewhere (AVX2, SSE, NEON: portable GCC vector code) x is pre-converted to fp32 with each block
    split into its even then odd elements, so the inner loop needs no shuffles. */
 #include "bf16.h"
+#include "combine.h"
 #include <stdlib.h>
 #define PREFETCH_BYTES 16384
 /* 64-byte vectors passed between static functions without AVX-512 (two 32-byte halves): GCC warns
@@ -221,22 +222,25 @@ int hybridlm_linear_bf16_grouped(const uint16_t* const* xs, const int64_t* ms, c
 /* The routed experts of a few tokens in one parallel region, as hybridlm_moe_experts (quant.c) with bf16
    weights: expert p's first product over its rows xs[p] [ms[p], D] (w1[p] [N1, D]: gate rows then up
    rows when gated, N1 = 2·I, else N1 = I), the activation expert_hidden (bf16.h), the down product
-   (w2[p] [D, I]); ys [Σ ms, D], expert p's rows after expert p - 1's. Each product's row blocks are
-   hybridlm_linear_bf16's, so a row has the bits of its own calls whatever else the call holds.
-   Returns 0 or -1 (out of memory). */
+   (w2[p] [D, I]), then the pairs' outputs added into their tokens' rows of out [n, D] (combine.h).
+   Each product's row blocks are hybridlm_linear_bf16's, so a row has the bits of its own calls
+   whatever else the call holds. Returns 0 or -1 (out of memory). */
 int hybridlm_moe_experts_bf16(const uint16_t* const* xs, const int64_t* ms, int64_t P, const uint16_t* const* w1,
-                              const uint16_t* const* w2, int gated, uint16_t* ys, int64_t D, int64_t I,
-                              int nthreads) {
+                              const uint16_t* const* w2, int gated, const void* w, int w_bf16,
+                              const int64_t* w_at, const int64_t* tokens, uint16_t* out, int64_t n, int64_t D,
+                              int64_t I, int nthreads) {
     const int64_t N1 = gated ? 2 * I : I, blocks1 = (N1 + RB - 1) / RB, blocks2 = (D + RB - 1) / RB;
     int64_t before[P + 1]; /* expert p's first row */
     before[0] = 0;
     for (int64_t p = 0; p < P; p++) before[p + 1] = before[p] + ms[p];
     const int64_t rows = before[P];
     uint16_t *y1 = malloc((size_t)(rows * N1) * 2), *h = malloc((size_t)(rows * I) * 2);
+    uint16_t* ys = malloc((size_t)(rows * D) * 2);
     float *xf = X_AS_F32 ? malloc((size_t)(rows * D) * sizeof(float)) : NULL;
     float *hf = X_AS_F32 ? malloc((size_t)(rows * I) * sizeof(float)) : NULL;
-    if (!y1 || !h || (X_AS_F32 && (!xf || !hf))) {
-        free(y1), free(h), free(xf), free(hf);
+    float* acc = calloc((size_t)(n * D), sizeof(float));
+    if (!y1 || !h || !ys || !acc || (X_AS_F32 && (!xf || !hf))) {
+        free(y1), free(h), free(ys), free(acc), free(xf), free(hf);
         return -1;
     }
     if (X_AS_F32)
@@ -260,7 +264,11 @@ int hybridlm_moe_experts_bf16(const uint16_t* const* xs, const int64_t* ms, int6
             row_block(h + before[p] * I, hf ? hf + before[p] * I : NULL, ms[p], w2[p], NULL, ys + before[p] * D, D,
                       I, i % blocks2 * RB);
         }
+        #pragma omp for schedule(static)
+        for (int64_t c0 = 0; c0 < D; c0 += COMBINE_COLUMNS)
+            combine_columns(ys, w, w_bf16, w_at, tokens, rows, acc, out, n, D, c0,
+                            c0 + COMBINE_COLUMNS < D ? c0 + COMBINE_COLUMNS : D);
     }
-    free(y1), free(h), free(xf), free(hf);
+    free(y1), free(h), free(ys), free(acc), free(xf), free(hf);
     return 0;
 }

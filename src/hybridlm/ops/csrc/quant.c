@@ -22,6 +22,7 @@
    integer path of quant_prefill.c where the CPU has VNNI; elsewhere they dequantize the weight to
    bf16 (hybridlm_dequant_*) and use the bf16 GEMM. */
 #include "bf16.h"
+#include "combine.h"
 #include <stdlib.h>
 
 #define RB 4  /* int8: weight rows per block against several input rows */
@@ -480,12 +481,14 @@ typedef struct {
 
 /* The routed experts of a few tokens in one parallel region (models.moe.dispatch on decode rows): expert
    p's first product over its rows xs[p] [ms[p], D] (first.q[p] [N1, D]: gate rows then up rows when
-   gated, N1 = 2·I, else up rows, N1 = I), the activation, then its down product (down.q[p] [D, I]);
-   ys [Σ ms, D] bf16, expert p's rows after expert p - 1's. Each product is computed by the units of the
-   linear kernels, so a row has the bits of its own calls whatever else the call holds; the activation
-   is expert_hidden (bf16.h). Returns 0 or -1 (out of memory). */
+   gated, N1 = 2·I, else up rows, N1 = I), the activation expert_hidden (bf16.h), its down product
+   (down.q[p] [D, I]), then the pairs' outputs (expert p's rows after expert p - 1's) added into their
+   tokens' rows of out [n, D] bf16 with their routing weights (combine.h: w, w_bf16, w_at, tokens).
+   Each product is computed by the units of the linear kernels, so a row has the bits of its own calls
+   whatever else the call holds. Returns 0 or -1 (out of memory). */
 int hybridlm_moe_experts(const uint16_t* const* xs, const int64_t* ms, int64_t P, projection first,
-                         projection down, int gated, uint16_t* ys, int64_t D, int64_t I, int nthreads) {
+                         projection down, int gated, const void* w, int w_bf16, const int64_t* w_at,
+                         const int64_t* tokens, uint16_t* out, int64_t n, int64_t D, int64_t I, int nthreads) {
     const int64_t N1 = gated ? 2 * I : I;
     int64_t xf_at[P], rows_before[P + 1], start1[P + 1], start2[P + 1];
     float* xf = inputs_f32(xs, ms, P, D, xf_at);
@@ -497,10 +500,10 @@ int hybridlm_moe_experts(const uint16_t* const* xs, const int64_t* ms, int64_t P
         start2[p + 1] = start2[p] + units_of(down.bits, ms[p], D);
     }
     const int64_t rows = rows_before[P];
-    uint16_t* y1 = malloc((size_t)(rows * N1) * sizeof(uint16_t));
-    float* hf = malloc((size_t)(rows * I) * sizeof(float));
-    if (!y1 || !hf) {
-        free(xf), free(y1), free(hf);
+    uint16_t *y1 = malloc((size_t)(rows * N1) * sizeof(uint16_t)), *ys = malloc((size_t)(rows * D) * 2);
+    float *hf = malloc((size_t)(rows * I) * sizeof(float)), *acc = calloc((size_t)(n * D), sizeof(float));
+    if (!y1 || !ys || !hf || !acc) {
+        free(xf), free(y1), free(ys), free(hf), free(acc);
         return -1;
     }
     const int64_t bytes = P * D * (N1 * first.bits + I * down.bits) / 8;
@@ -522,8 +525,12 @@ int hybridlm_moe_experts(const uint16_t* const* xs, const int64_t* ms, int64_t P
             unit_of(down.bits, hf + rows_before[p] * I, ms[p], down.q[p], down.scales[p], down.fp16, NULL,
                     ys + rows_before[p] * D, D, I, down.G, i - start2[p]);
         }
+        #pragma omp for schedule(static)
+        for (int64_t c0 = 0; c0 < D; c0 += COMBINE_COLUMNS)
+            combine_columns(ys, w, w_bf16, w_at, tokens, rows, acc, out, n, D, c0,
+                            c0 + COMBINE_COLUMNS < D ? c0 + COMBINE_COLUMNS : D);
     }
-    free(xf), free(y1), free(hf);
+    free(xf), free(y1), free(ys), free(hf), free(acc);
     return 0;
 }
 
