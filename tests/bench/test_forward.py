@@ -16,10 +16,19 @@ def touched_expert_bytes(model, steps: list[int]) -> list[int]:
     """Per decode step of `steps` (token ids), the bytes of the routed experts the step ran."""
     stacks = [m for m in model.modules() if isinstance(m, (Experts, QuantExperts))]
     ran: set[tuple[int, int]] = set()
+
+    def seen(i: int, fused):
+        def run(es, rows, pairs):
+            ran.update((i, e) for e in es)
+            return fused(es, rows, pairs)
+
+        return run
+
     for i, stack in enumerate(stacks):
         expert = stack.expert
         stack.expert = lambda e, rows, i=i, expert=expert: ran.add((i, e)) or expert(e, rows)
         stack.grouped = lambda es, rows: None  # every expert through `expert`, so each is seen
+        stack.fused = seen(i, stack.fused)  # ... or all at once by the experts kernel (decode rows)
 
     def expert_bytes(stack, e: int) -> int:
         if isinstance(stack, Experts):
