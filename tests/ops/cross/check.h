@@ -19,6 +19,17 @@ static void expect_close(const char* what, int64_t i, uint16_t y, double ref, do
         if (failures++ < 5) fprintf(stderr, "%s[%lld]: %g, want %g\n", what, (long long)i, got, ref);
     }
 }
+/* n pairs combining into themselves (the experts kernels' last step): pair p is token p, weight 1. */
+static void own_pairs(float* weights, int64_t* rows, int n) {
+    for (int p = 0; p < n; p++) weights[p] = 1.f, rows[p] = p;
+}
+/* h = bf16(relu(y)²), element by element: the experts kernels' non-gated activation. */
+static void relu2_bf16(const uint16_t* y, int64_t n, uint16_t* h) {
+    for (int64_t i = 0; i < n; i++) {
+        const float g = bf16_to_f32(y[i]) > 0.f ? bf16_to_f32(y[i]) : 0.f;
+        h[i] = f32_to_bf16(g * g);
+    }
+}
 /* Row m of a call with M rows equals the same row computed alone. */
 static void expect_same(const char* what, const uint16_t* a, const uint16_t* b, int64_t n) {
     for (int64_t i = 0; i < n; i++)

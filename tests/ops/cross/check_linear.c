@@ -31,17 +31,13 @@ int main(void) {
     const int64_t D = K, I = N, ms[3] = {1, 5, 17};
     const uint16_t *xs[3] = {x, x + K, x}, *w1[3] = {w, w, w}, *w2[3] = {w, w, w};
     uint16_t *ys = malloc((1 + 5 + 17) * D * 2), *h = malloc(M * I * 2), *y2 = malloc(M * D * 2);
-    /* each pair its own token, weight 1: the combined rows are the pairs' outputs */
-    float ones[23];
+    float ones[23]; /* each pair its own token, weight 1: the combined rows are the pairs' outputs */
     int64_t each[23];
-    for (int i = 0; i < 23; i++) ones[i] = 1.f, each[i] = i;
+    own_pairs(ones, each, 23);
     if (hybridlm_moe_experts_bf16(xs, ms, 3, w1, w2, 0, ones, 0, each, each, ys, 23, D, I, 2)) return 2;
     for (int64_t p = 0, row = 0; p < 3; row += ms[p], p++) {
         if (hybridlm_linear_bf16(xs[p], ms[p], w, NULL, y, I, D, 1)) return 2;
-        for (int64_t i = 0; i < ms[p] * I; i++) {
-            const float g = bf16_to_f32(y[i]) > 0.f ? bf16_to_f32(y[i]) : 0.f;
-            h[i] = f32_to_bf16(g * g);
-        }
+        relu2_bf16(y, ms[p] * I, h);
         if (hybridlm_linear_bf16(h, ms[p], w, NULL, y2, D, I, 1)) return 2;
         expect_same("experts", ys + row * D, y2, ms[p] * D);
     }

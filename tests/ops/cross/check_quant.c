@@ -78,17 +78,13 @@ int main(void) {
     const void *q2[3] = {qd, qd, qd}, *s2[3] = {sd, sd, sd};
     const projection first = {4, 0, G, q1, s1}, down = {8, 0, 0, q2, s2};
     uint16_t *ys = malloc((1 + 5 + 17) * D * 2), *h = malloc(M * I * 2), *y2 = malloc(M * D * 2);
-    /* each pair its own token, weight 1: the combined rows are the pairs' outputs */
-    float ones[23];
+    float ones[23]; /* each pair its own token, weight 1: the combined rows are the pairs' outputs */
     int64_t each[23];
-    for (int i = 0; i < 23; i++) ones[i] = 1.f, each[i] = i;
+    own_pairs(ones, each, 23);
     if (hybridlm_moe_experts(xs, ms, 3, first, down, 0, ones, 0, each, each, ys, 23, D, I, 2)) return 2;
     for (int64_t p = 0, row = 0; p < 3; row += ms[p], p++) {
         if (hybridlm_linear_int4(xs[p], ms[p], (const uint8_t*)packed, panel_scales, 0, NULL, y, I, D, G, 1)) return 2;
-        for (int64_t i = 0; i < ms[p] * I; i++) {
-            const float g = bf16_to_f32(y[i]) > 0.f ? bf16_to_f32(y[i]) : 0.f;
-            h[i] = f32_to_bf16(g * g);
-        }
+        relu2_bf16(y, ms[p] * I, h);
         if (hybridlm_linear_int8(h, ms[p], qd, sd, NULL, y2, D, I, 1)) return 2;
         expect_same("experts", ys + row * D, y2, ms[p] * D);
     }
