@@ -219,7 +219,6 @@ class QuantExperts(nn.Module):
         self.add_module(self.first, nn.ModuleList(first))
         self.down_proj = nn.ModuleList(down)
         self.act = ACTIVATIONS[act]
-        self.fusable = (act, gated) in KERNEL_ACTIVATIONS
         self.int4 = 4 in (first[0].bits, down[0].bits)
 
     @classmethod
@@ -250,7 +249,7 @@ class QuantExperts(nn.Module):
         on the CPU, routing weights float32 or bf16, outside `prompt_rows`, on a CPU whose int4 decode
         rows take the float tiles."""
         return (
-            self.fusable
+            (self.act_name, self.gated) in KERNEL_ACTIVATIONS
             and kernel_decode_rows(x, weights)
             and self.down_proj[0]._buffers["qweight"].is_cpu
             and EXPERTS_KERNEL.get() is not None

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from hybridlm.ops.native import NativeKernel, int64_array
-from hybridlm.ops.quant import QuantLinear, one_kind
+from hybridlm.ops.quant import QuantLinear, addresses, one_kind
 
 _p, _i64, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
@@ -83,10 +83,13 @@ def quantized_experts(
     rows = [x.shape[0] for x in xs]
     d, inter = first[0].in_features, down[0].in_features
     out = xs[0].new_empty((pairs.n, d))
-    addresses = [_addresses(layers) for layers in (first, down)]  # alive until the call returns
+    arrays = [addresses(layers) for layers in (first, down)]  # alive until the call returns
     projections = [
-        _Projection(layers[0].bits, fp16, layers[0].group_size, ctypes.addressof(q), ctypes.addressof(s))
-        for layers, (q, s, fp16) in zip((first, down), addresses, strict=True)
+        _Projection(
+            layers[0].bits, int(layers[0]._buffers["scales"].dtype is torch.float16), layers[0].group_size,
+            ctypes.addressof(q), ctypes.addressof(s),
+        )
+        for layers, (q, s) in zip((first, down), arrays, strict=True)
     ]
     combining, _alive = pairs.arguments()
     EXPERTS_KERNEL.get()(
@@ -119,14 +122,6 @@ def bf16_experts(
     return out
 
 
-def _addresses(layers: list[QuantLinear]) -> tuple[ctypes.Array, ctypes.Array, int]:
-    """The layers' weight and scale addresses as C arrays, and whether the scales are fp16."""
-    buffers = [layer._buffers for layer in layers]
-    fp16 = int(buffers[0]["scales"].dtype is torch.float16)
-    q = int64_array([b["qweight"].data_ptr() for b in buffers])
-    return q, int64_array([b["scales"].data_ptr() for b in buffers]), fp16
-
-
 def combine_reference(ys: torch.Tensor, weights: torch.Tensor, w_at, tokens, n: int) -> torch.Tensor:
     """ys [P, d] (pair p: a token's output of one expert), weights [N, k] (float32 or ys' dtype),
     w_at / tokens [P] (int64 tensors or lists: pair p's index into the flattened weights, its token)
@@ -144,11 +139,11 @@ def combine(ys: torch.Tensor, weights: torch.Tensor, w_at, tokens, n: int) -> to
     fn = COMBINE_KERNEL.get() if ys.dtype is torch.bfloat16 and ys.is_cpu else None
     if fn is None or weights.dtype not in (torch.float32, torch.bfloat16):
         return combine_reference(ys, weights, w_at, tokens, n)
-    ys, weights = ys.contiguous(), weights.contiguous()
-    w_at, tokens = _int64(w_at), _int64(tokens)
+    ys = ys.contiguous()
     out = ys.new_empty((n, ys.shape[1]))
-    fn(ys.data_ptr(), weights.data_ptr(), int(weights.dtype is torch.bfloat16), _address(w_at),
-       _address(tokens), ys.shape[0], out.data_ptr(), n, ys.shape[1], torch.get_num_threads())
+    (weights_at, bf16, w_at, tokens), _alive = Pairs(weights, w_at, tokens, n).arguments()
+    fn(ys.data_ptr(), weights_at, bf16, w_at, tokens, ys.shape[0], out.data_ptr(), n, ys.shape[1],
+       torch.get_num_threads())
     return out
 
 

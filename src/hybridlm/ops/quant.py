@@ -391,6 +391,13 @@ def quantize_(
     return module
 
 
+def addresses(layers: list[QuantLinear]) -> tuple[ctypes.Array, ctypes.Array]:
+    """The layers' weight and scale addresses as C arrays (what the grouped kernels take per product)."""
+    buffers = [layer._buffers for layer in layers]
+    q = int64_array([b["qweight"].data_ptr() for b in buffers])
+    return q, int64_array([b["scales"].data_ptr() for b in buffers])
+
+
 def one_kind(layers: list[QuantLinear]) -> bool:
     """Whether the layers are of one kind and shape, without bias: what a grouped call of them needs."""
     kind = _kind(layers[0])
@@ -432,8 +439,7 @@ def grouped_quantized(layers: list[QuantLinear], xs: list[torch.Tensor]) -> torc
     rows = [x.shape[0] for x in xs]
     y = xs[0].new_empty((sum(rows), first.out_features))
     xp, yp, mp = int64_array([x.data_ptr() for x in xs]), row_pointers(y, rows), int64_array(rows)
-    qp = int64_array([q._buffers["qweight"].data_ptr() for q in layers])
-    sp = int64_array([q._buffers["scales"].data_ptr() for q in layers])
+    qp, sp = addresses(layers)
     n, k, threads = first.out_features, first.in_features, torch.get_num_threads()
     if first.bits == 8:
         status = fn(xp, mp, qp, sp, None, yp, len(xs), n, k, threads)
