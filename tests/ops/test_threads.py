@@ -35,6 +35,18 @@ def test_a_core_busy_with_another_process_is_left_to_it(monkeypatch):
     assert decode_threads(2, share) == 1  # never fewer than one thread
 
 
+def test_steal_time_is_not_another_process(tmp_path):
+    """A hypervisor's steal time (8th field) is not a process of this machine: neither busy nor total."""
+    stat = tmp_path / "stat"
+    #                      user nice sys idle iowait irq softirq steal guest guest_nice
+    stat.write_text("cpu  180 0 10 0 0 0 0 30 0 0\n"
+                    "cpu0  90 0  5 0 0 0 0 15 0 0\n"
+                    "cpu1  80 0  5 10 0 0 0 15 0 0\n"
+                    "cpu2  10 0  0 90 0 0 0  0 0 0\n")
+    assert threads._busy_and_total({0, 1}, str(stat)) == (180, 190)
+    assert threads._busy_and_total({2}, str(stat)) == (10, 100)
+
+
 def test_samples_are_reused_within_the_interval(monkeypatch):
     proc = FakeProc(monkeypatch)
     share = CoreShare(interval=3600.0)

@@ -3,8 +3,8 @@
 A decode step is ~300 short parallel regions. With one thread per core and another process busy on a
 core, every region waits for the thread that the scheduler parked behind that process (a
 Qwen3.5-0.8B-shaped step measured 10-30x slower with `yes` on one of 2 cores). So decode steps run on
-the cores other processes leave idle: their busy time is /proc/stat's busy time of all CPUs less this
-process's own CPU time, sampled at most every `INTERVAL` seconds.
+the cores other processes leave idle: their busy time is /proc/stat's busy time of all CPUs (steal time
+excluded) less this process's own CPU time, sampled at most every `INTERVAL` seconds.
 
 Only decode-sized forwards (every linear in the row-wise kernels) change their team: those kernels
 compute each output in one thread in a fixed order, so a step's numbers do not depend on how many
@@ -30,12 +30,17 @@ __all__ = ["INTERVAL", "CoreShare", "decode_team", "decode_threads"]
 INTERVAL = 0.5
 
 
-def _busy_and_total(cpus: set[int]) -> tuple[int, int] | None:
-    """Busy and total jiffies since boot of the CPUs `cpus` from /proc/stat's per-CPU lines (None where
-    it cannot be read)."""
+def _busy_and_total(cpus: set[int], stat: str = "/proc/stat") -> tuple[int, int] | None:
+    """Busy and total jiffies since boot of the CPUs `cpus` from `stat`'s per-CPU lines (None where
+    it cannot be read).
+
+    Steal time counts as neither: it is the hypervisor running another machine on this virtual CPU,
+    not a process here, and it hits a one-thread team as often as a two-thread one. Counted as busy,
+    a cloud VM's 10-15 % steal on each of 2 vCPUs read as a third of a core taken, and a noisier
+    neighbour's as half of one, which halved the decode team for nothing."""
     busy = total = 0
     try:
-        with open("/proc/stat") as f:
+        with open(stat) as f:
             for line in f:
                 name, _, rest = line.partition(" ")
                 if not name.startswith("cpu") or name == "cpu":
@@ -44,7 +49,7 @@ def _busy_and_total(cpus: set[int]) -> tuple[int, int] | None:
                     continue
                 fields = [int(v) for v in rest.split()]
                 idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
-                all_ = sum(fields[:8])  # guest time is already inside user / nice
+                all_ = sum(fields[:7])  # user .. softirq; guest time is already inside user / nice
                 busy, total = busy + all_ - idle, total + all_
     except (OSError, ValueError, IndexError):
         return None
