@@ -10,12 +10,20 @@ import torch
 from torch import nn
 
 from hybridlm.models.layers import relu2
-from hybridlm.ops import moe
+from hybridlm.ops import moe, quant_gemm
 from hybridlm.ops import quant as quant_module
 from hybridlm.ops.linear import linear, rowwise
-from hybridlm.ops.moe import Pairs, bf16_experts, combine, combine_reference, quantized_experts
+from hybridlm.ops.moe import (
+    Pairs,
+    bf16_experts,
+    combine,
+    combine_reference,
+    integer_experts,
+    quantized_experts,
+)
 from hybridlm.ops.native import FEW_TOKENS
 from hybridlm.ops.quant import QuantLinear
+from hybridlm.ops.quant_gemm import int4_prefill
 
 BF16 = torch.bfloat16
 
@@ -244,3 +252,72 @@ def test_experts_kernels_add_the_pairs_into_their_tokens_rows_as_combine_does(
     want = combine_reference(stacked, weights, w_at, rows, tokens)
     pairs = Pairs(weights, w_at.tolist(), rows.tolist(), tokens)
     assert torch.equal(bf16_experts(first, down, [0, 1, 2, 3], xs, True, pairs), want)
+
+
+@pytest.fixture
+def integer_tiles(isa):
+    """`isa`, at the levels that have the integer kernels (AVX-512 VNNI, AVX2)."""
+    if moe.INT4_EXPERTS_KERNEL.get() is None or not quant_gemm.integer_prefill():
+        pytest.skip(f"no integer kernels at {isa}")
+    return isa
+
+
+def integer_layer(layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+    """An int4 layer on rows x by its integer kernel, each row's activations quantized as a prompt row's."""
+    return int4_prefill(x, layer.qweight, layer.scales, layer.group_size, None)
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("counts", [[1] * 8, [3, 1, 20, 2]])
+def test_integer_experts_kernel_gives_each_product_its_layers_integer_bits(
+    integer_tiles, scale_dtype, counts
+):
+    """relu² (exact in torch's bf16 ops): the call equals each expert's own integer products on its rows
+    (the hidden rows quantized again, as a prompt row's are), bit for bit; odd output widths (short
+    panels, few-row units of several panels), fp16 scales, an expert with more rows than a decode call
+    takes, and 8 experts sharing one token's row."""
+    first, down = experts(len(counts), 104, 40, ("int4", "int4"), gated=False, seed=len(counts),
+                          scales=scale_dtype)
+    xs = rows_of(counts, 104, seed=3)
+    if counts == [1] * 8:
+        xs = [xs[0]] * 8  # a decode step: every expert on the token's one row
+    want = torch.cat(
+        [integer_layer(dn, relu2(integer_layer(up, x))) for up, dn, x in zip(first, down, xs, strict=True)]
+    )
+    assert torch.equal(integer_experts(first, down, xs, False, each_its_own(xs)), want)
+
+
+def test_integer_experts_kernel_rows_do_not_depend_on_the_rows_beside_them(integer_tiles):
+    first, down = experts(4, 64, 48, ("int4", "int4"), gated=True, seed=5)
+    counts = [5, 1, 19, 2]
+    xs = rows_of(counts, 64, seed=9)
+    together = integer_experts(first, down, xs, True, each_its_own(xs)).split(counts)
+    for f, dn, x, got in zip(first, down, xs, together, strict=True):
+        alone = [integer_experts([f], [dn], [row], True, each_its_own([row])) for row in x.split(1)]
+        assert torch.equal(got, torch.cat(alone))
+
+
+def test_integer_experts_kernel_gated_experts_take_silu_of_the_gate_rows_times_the_up_rows(integer_tiles):
+    """Gated: the hidden row is bf16(bf16(silu(gate)) · up) of the first product's halves (the float
+    kernel's `expert_hidden`, checked bit for bit there), then the down product. Against torch's silu on
+    the same integer products: an exp that differs in the last float32 bit may round a hidden value the
+    other way (and so move the down product's row a little), so this compares within bf16 precision;
+    swapping the halves or dropping the silu misses by far more."""
+    first, down = experts(3, 64, 32, ("int4", "int4"), gated=True, seed=11)
+    xs = rows_of([1, 4, 2], 64, seed=2)
+    want = []
+    for f, dn, x in zip(first, down, xs, strict=True):
+        gate, up = integer_layer(f, x).chunk(2, dim=-1)
+        want.append(integer_layer(dn, (torch.nn.functional.silu(gate.float()).bfloat16() * up)))
+    want = torch.cat(want).float()
+    got = integer_experts(first, down, xs, True, each_its_own(xs)).float()
+    torch.testing.assert_close(got, want, rtol=2**-6, atol=2**-6 * want.abs().max().item())
+
+
+def test_integer_experts_refuse_int8_and_mixed_layers(integer_tiles):
+    int4, down4 = experts(2, 64, 32, ("int4", "int4"), gated=True, seed=1)
+    int8, down8 = experts(2, 64, 32, ("int8", "int8"), gated=True, seed=1)
+    xs = rows_of([1, 1], 64, seed=1)
+    assert integer_experts(int8, down8, xs, True, each_its_own(xs)) is None
+    assert integer_experts(int4, down8, xs, True, each_its_own(xs)) is None
+    assert integer_experts([int4[0], int8[1]], down4, xs, True, each_its_own(xs)) is None

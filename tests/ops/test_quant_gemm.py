@@ -104,8 +104,8 @@ def _int4_reference64(x, layer):
     return terms.sum(-1) + bias, terms.abs().sum(-1)
 
 
-# full panels, a short last one, GPTQ's fp16 scales
-@pytest.mark.parametrize("n, fp16", [(48, False), (37, False), (40, True)])
+# full panels, a short last one, GPTQ's fp16 scales, several few-row units of 4 panels and a short one
+@pytest.mark.parametrize("n, fp16", [(48, False), (37, False), (40, True), (200, False)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 30])  # every tile height (AVX2: 6 rows)
 def test_int4_prefill_equals_a_float64_reference_of_the_quantized_math(n, fp16, rows, integer_isa):
     layer = _layer(256, n, "int4")
@@ -134,8 +134,9 @@ def test_grouped_int4_products_give_each_products_own_bits(n, fp16, integer_isa)
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
-def test_prefill_row_never_depends_on_the_rows_beside_it(scheme, integer_isa):
-    layer = _layer(128, 45, scheme)
+@pytest.mark.parametrize("n", [45, 200])  # 200: several few-row units of 4 panels, then a short panel
+def test_prefill_row_never_depends_on_the_rows_beside_it(scheme, n, integer_isa):
+    layer = _layer(128, n, scheme)
     x = _x(40, 128)
     run = layer._forward_integer
     whole = run(x)

@@ -32,10 +32,12 @@ from hybridlm.ops.linear import Linear, linear, linear_grouped, rowwise_applies
 from hybridlm.ops.moe import (
     BF16_EXPERTS_KERNEL,
     EXPERTS_KERNEL,
+    INT4_EXPERTS_KERNEL,
     KERNEL_ACTIVATIONS,
     Pairs,
     bf16_experts,
     combine,
+    integer_experts,
     quantized_experts,
 )
 from hybridlm.ops.native import FEW_TOKENS
@@ -247,21 +249,25 @@ class QuantExperts(nn.Module):
     def _fuses(self, x: torch.Tensor, weights: torch.Tensor) -> bool:
         """Whether x's rows are decode rows the experts kernel computes: few (or inside `rowwise`), bf16
         on the CPU, routing weights float32 or bf16, outside `prompt_rows`, on a CPU whose int4 decode
-        rows take the float tiles."""
+        rows take the kernel's tiles (float, or integer with `integer_experts`)."""
         return (
             (self.act_name, self.gated) in KERNEL_ACTIVATIONS
             and kernel_decode_rows(x, weights)
             and self.down_proj[0]._buffers["qweight"].is_cpu
-            and EXPERTS_KERNEL.get() is not None
-            and not (self.int4 and integer_int4_decode())
+            and (INT4_EXPERTS_KERNEL if self._integer() else EXPERTS_KERNEL).get() is not None
         )
+
+    def _integer(self) -> bool:
+        """Whether this CPU's int4 decode rows take the integer tiles (`integer_int4_decode`)."""
+        return self.int4 and integer_int4_decode()
 
     def fused(self, es: list[int], xs: list[torch.Tensor], pairs: Pairs) -> torch.Tensor | None:
         """Experts es[i] on rows xs[i] combined by `pairs`, by the experts kernel: [pairs.n, d] (None:
-        the chosen experts' layers differ in kind, see `quantized_experts`)."""
+        the chosen experts' layers differ in kind, see `quantized_experts` / `integer_experts`)."""
         first, down = self._modules[self.first]._modules, self.down_proj._modules
         keys = [str(e) for e in es]
-        return quantized_experts([first[k] for k in keys], [down[k] for k in keys], xs, self.gated, pairs)
+        experts = integer_experts if self._integer() else quantized_experts
+        return experts([first[k] for k in keys], [down[k] for k in keys], xs, self.gated, pairs)
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert e on rows x [n, d] -> [n, d]."""

@@ -33,6 +33,12 @@ EXPERTS_KERNEL = NativeKernel(
     [_p, _p, _i64, _Projection, _Projection, _int, _p, _int, _p, _p, _p, _i64, _i64, _i64, _int], _int,
     fallback="the experts' products one projection at a time",
 )
+INT4_EXPERTS_KERNEL = NativeKernel(
+    "quant_prefill", "quant_prefill.c", "hybridlm_moe_experts_int4",
+    [_p, _p, _i64, _p, _p, _i64, _p, _p, _i64, _int, _int, _p, _int, _p, _p, _p, _i64, _i64, _i64, _int],
+    _int,
+    fallback="the experts' integer products one projection at a time",
+)
 BF16_EXPERTS_KERNEL = NativeKernel(
     "linear_bf16", "linear.c", "hybridlm_moe_experts_bf16",
     [_p, _p, _i64, _p, _p, _int, _p, _int, _p, _p, _p, _i64, _i64, _i64, _int], _int,
@@ -94,6 +100,31 @@ def quantized_experts(
     combining, _alive = pairs.arguments()
     EXPERTS_KERNEL.get()(
         int64_array([x.data_ptr() for x in xs]), int64_array(rows), len(xs), *projections, int(gated),
+        *combining, out.data_ptr(), pairs.n, d, inter, torch.get_num_threads(),
+    )
+    return out
+
+
+def integer_experts(
+    first: list[QuantLinear], down: list[QuantLinear], xs: list[torch.Tensor], gated: bool, pairs: Pairs
+) -> torch.Tensor | None:
+    """`quantized_experts` on the integer tiles (where int4 decode rows take them, `ops.quant_gemm`), by
+    one `INT4_EXPERTS_KERNEL` call (callers check it is built): each row's activations, and each hidden
+    row, quantized per group as a prompt row's are, so every product has the bits of its layer's
+    integer kernel on those rows. None unless every first and down layer is int4 of one kind, without
+    bias, their scales of one dtype."""
+    if not (one_kind(first) and one_kind(down)) or first[0].bits != 4 or down[0].bits != 4:
+        return None
+    fp16 = first[0]._buffers["scales"].dtype is torch.float16
+    if (down[0]._buffers["scales"].dtype is torch.float16) is not fp16:
+        return None
+    d, inter = first[0].in_features, down[0].in_features
+    out = xs[0].new_empty((pairs.n, d))
+    (q1, s1), (q2, s2) = addresses(first), addresses(down)
+    combining, _alive = pairs.arguments()
+    INT4_EXPERTS_KERNEL.get()(
+        int64_array([x.data_ptr() for x in xs]), int64_array([x.shape[0] for x in xs]), len(xs),
+        q1, s1, first[0].group_size, q2, s2, down[0].group_size, int(fp16), int(gated),
         *combining, out.data_ptr(), pairs.n, d, inter, torch.get_num_threads(),
     )
     return out

@@ -19,6 +19,8 @@
    row's pass takes a microsecond, less than waking the team (an int4 MoE decode step spent 13 % of its
    time in the one-row quantization's parallel region). */
 #define ROWS_PARALLEL 65536
+/* Weight bytes below which a product runs on one thread (waking a second costs more than it saves). */
+#define MIN_PARALLEL_BYTES 65536
 #include <math.h>
 #include <stdlib.h>
 #ifdef __AVX512F__
@@ -36,16 +38,13 @@ static inline __m256 widen8x(const uint16_t* p) {
 }
 #endif
 
-/* x [M, K] bf16 -> xq [M, K] int8, xs [M, K / B] float32: per row and block of B inputs xs = max|x| / 127
-   (the smallest normal float32 for an all-zero block), xq = round(x / xs) half to even, as
-   quant_gemm.quantize_activations computes it in torch. */
-void hybridlm_quantize_rows(const uint16_t* x, int64_t M, int64_t K, int64_t B, int8_t* xq, float* xs,
-                            int nthreads) {
-    #pragma omp parallel for schedule(static) num_threads(nthreads) if (M * K >= ROWS_PARALLEL)
-    for (int64_t m = 0; m < M; m++)
+/* One row x [K] bf16 -> xq [K] int8, xs [K / B] float32: per block of B inputs xs = max|x| / 127 (the
+   smallest normal float32 for an all-zero block), xq = round(x / xs) half to even, as
+   quant_gemm.quantize_activations computes it in torch. hybridlm_quantize_rows: M rows [M, K]. */
+static void quantize_row(const uint16_t* x, int64_t K, int64_t B, int8_t* xq, float* xs) {
         for (int64_t b0 = 0; b0 < K; b0 += B) {
-            const uint16_t* src = x + m * K + b0;
-            int8_t* dst = xq + m * K + b0;
+            const uint16_t* src = x + b0;
+            int8_t* dst = xq + b0;
             int64_t k = 0;
             float peak = 0.f;
 #ifdef __AVX512F__
@@ -85,31 +84,37 @@ void hybridlm_quantize_rows(const uint16_t* x, int64_t M, int64_t K, int64_t B, 
             }
 #endif
             for (; k < B; k++) dst[k] = (int8_t)fminf(fmaxf(nearbyintf(bf16_to_f32(src[k]) / scale), -127.f), 127.f);
-            xs[m * (K / B) + b0 / B] = scale;
+            xs[b0 / B] = scale;
         }
 }
 
-/* For the int4 kernels: each row's activations xq [M, K] reordered per 8-block as inputs 0, 2, 4, 6, then
-   1, 3, 5, 7 (the order of a word's low and high nibbles) into xr, and their sums per group of G into
-   xsum [M, K / G] (the correction for the nibbles' + 8). */
+void hybridlm_quantize_rows(const uint16_t* x, int64_t M, int64_t K, int64_t B, int8_t* xq, float* xs,
+                            int nthreads) {
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (M * K >= ROWS_PARALLEL)
+    for (int64_t m = 0; m < M; m++) quantize_row(x + m * K, K, B, xq + m * K, xs + m * (K / B));
+}
+
+/* For the int4 kernels: a row's activations xq [K] reordered per 8-block as inputs 0, 2, 4, 6, then 1, 3,
+   5, 7 (the order of a word's low and high nibbles) into xr, and their sums per group of G into xsum
+   [K / G] (the correction for the nibbles' + 8); reorder_activations: M rows. */
+static __attribute__((unused)) void reorder_row(const int8_t* src, int64_t K, int64_t G, int8_t* dst,
+                                                int32_t* xsum) {
+    for (int64_t b = 0; b < K / 8; b++)
+        for (int s = 0; s < 4; s++) {
+            dst[8 * b + s] = src[8 * b + 2 * s];
+            dst[8 * b + 4 + s] = src[8 * b + 2 * s + 1];
+        }
+    for (int64_t g = 0; g < K / G; g++) {
+        int32_t t = 0;
+        for (int64_t k = g * G; k < (g + 1) * G; k++) t += src[k];
+        xsum[g] = t;
+    }
+}
+
 static __attribute__((unused)) void reorder_activations(const int8_t* xq, int64_t M, int64_t K, int64_t G,
                                                         int8_t* xr, int32_t* xsum, int nthreads) {
-    const int64_t groups = K / G;
     #pragma omp parallel for schedule(static) num_threads(nthreads) if (M * K >= ROWS_PARALLEL)
-    for (int64_t m = 0; m < M; m++) {
-        const int8_t* src = xq + m * K;
-        int8_t* dst = xr + m * K;
-        for (int64_t b = 0; b < K / 8; b++)
-            for (int s = 0; s < 4; s++) {
-                dst[8 * b + s] = src[8 * b + 2 * s];
-                dst[8 * b + 4 + s] = src[8 * b + 2 * s + 1];
-            }
-        for (int64_t g = 0; g < groups; g++) {
-            int32_t t = 0;
-            for (int64_t k = g * G; k < (g + 1) * G; k++) t += src[k];
-            xsum[m * groups + g] = t;
-        }
-    }
+    for (int64_t m = 0; m < M; m++) reorder_row(xq + m * K, K, G, xr + m * K, xsum + m * (K / G));
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512BF16__)
@@ -154,6 +159,100 @@ static inline __attribute__((always_inline)) void tile(const int8_t* xr, const i
     }
 }
 
+/* Few input rows (decode): NP panels a tile, one input row at a time. One row against one panel leaves a
+   single chain of vpdpbusd (5 cycles each) per block; NP panels with their even and odd products summed
+   apart are 2·NP chains: 512 x 1024 at 32 GB/s in L2 on one core against the one-panel tile's 22. The
+   int32 sums are exact, so adding the even and odd sums at the group's end changes no bit, and the float32
+   steps after them are `tile`'s: the same bits as a prompt row. */
+#define FEW_ROWS 4
+#define NP 4
+#define PREFETCH_BYTES 4096
+static inline __attribute__((always_inline)) void tile_panels(const int8_t* xr, const int32_t* xsum,
+                                                              const float* xs, int64_t K, int64_t G, int np,
+                                                              const uint32_t* w, const uint16_t* scales, int fp16,
+                                                              __m512 acc[NP]) {
+    const __m512i low = _mm512_set1_epi32(0x0f0f0f0f);
+    const int64_t groups = K / G, blocks = G / 8, words = 16 * (K / 8), sstride = 16 * groups;
+    for (int p = 0; p < np; p++) acc[p] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        __m512i even[NP], odd[NP];
+        for (int p = 0; p < np; p++) even[p] = odd[p] = _mm512_setzero_si512();
+        for (int64_t b = g * blocks; b < (g + 1) * blocks; b++) {
+            const int32_t* x4 = (const int32_t*)(xr + b * 8);
+            const __m512i x0 = _mm512_set1_epi32(x4[0]), x1 = _mm512_set1_epi32(x4[1]);
+            for (int p = 0; p < np; p++) {
+                /* each panel's stream PREFETCH_BYTES ahead: past the unit's last panel that is the thread's
+                   next unit (schedule(static)), whose first panel follows in memory */
+                _mm_prefetch((const char*)(w + p * words + b * 16) + PREFETCH_BYTES, _MM_HINT_T0);
+                const __m512i raw = _mm512_loadu_si512(w + p * words + b * 16);
+                even[p] = _mm512_dpbusd_epi32(even[p], _mm512_and_si512(raw, low), x0);
+                odd[p] = _mm512_dpbusd_epi32(odd[p], _mm512_and_si512(_mm512_srli_epi32(raw, 4), low), x1);
+            }
+        }
+        const __m512 xsv = _mm512_set1_ps(xs[g]);
+        const __m512i correction = _mm512_set1_epi32(8 * xsum[g]);
+        for (int p = 0; p < np; p++) {
+            const __m512 sv = group_scales(scales + p * sstride + g * 16, fp16, 0xffff);
+            const __m512i exact = _mm512_sub_epi32(_mm512_add_epi32(even[p], odd[p]), correction);
+            acc[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_mul_ps(sv, xsv), acc[p]);
+        }
+    }
+}
+
+/* The units of work of an int4 product of M input rows against N weight rows: a panel each, or for few
+   rows NP full panels each, the short last panel (N % 16 rows) a unit of its own. */
+static inline int64_t int4_units(int64_t M, int64_t N) {
+    return M <= FEW_ROWS ? (N / 16 + NP - 1) / NP + (N % 16 != 0) : (N + 15) / 16;
+}
+
+/* Unit u of an int4 product (int4_units) against its M input rows (xr, xsum: reordered activations and
+   group sums; xs their scales), bias added, rounded into y [M, N]. */
+static void int4_unit(const int8_t* xr, const int32_t* xsum, const float* xs, int64_t M, const uint8_t* q,
+                      const uint16_t* scales, int fp16, const uint16_t* bias, uint16_t* y, int64_t N, int64_t K,
+                      int64_t G, int64_t u) {
+    const int64_t groups = K / G, full = N / 16;
+    const int few = M <= FEW_ROWS, short_unit = N % 16 != 0 && u == int4_units(M, N) - 1;
+    const int64_t p0 = short_unit ? full : few ? u * NP : u;
+    const int np = short_unit || !few ? 1 : (full - p0 < NP ? (int)(full - p0) : NP);
+    const int64_t n0 = p0 * 16, width = N - n0 < 16 ? N - n0 : 16;
+    const __mmask16 lanes = (__mmask16)((1u << width) - 1);
+    const uint32_t* w = (const uint32_t*)(q + n0 * (K / 2));
+    const uint16_t* s = scales + n0 * groups;
+    if (few && !short_unit) {
+        for (int64_t m = 0; m < M; m++) {
+            __m512 acc[NP];
+            /* a constant panel count per call site, so the tile's loops unroll into registers */
+            switch (np) {
+                case 1: tile_panels(xr + m * K, xsum + m * groups, xs + m * groups, K, G, 1, w, s, fp16, acc); break;
+                case 2: tile_panels(xr + m * K, xsum + m * groups, xs + m * groups, K, G, 2, w, s, fp16, acc); break;
+                case 3: tile_panels(xr + m * K, xsum + m * groups, xs + m * groups, K, G, 3, w, s, fp16, acc); break;
+                default: tile_panels(xr + m * K, xsum + m * groups, xs + m * groups, K, G, NP, w, s, fp16, acc);
+            }
+            for (int p = 0; p < np; p++) {
+                __m512 bv = _mm512_setzero_ps();
+                if (bias) bv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                                   _mm256_loadu_si256((const __m256i*)(bias + n0 + 16 * p))), 16));
+                _mm256_storeu_si256((__m256i*)(y + m * N + n0 + 16 * p), (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[p], bv)));
+            }
+        }
+        return;
+    }
+    __m512 bv = _mm512_setzero_ps();
+    if (bias) bv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, bias + n0)), 16));
+    for (int64_t m0 = 0; m0 < M; m0 += MT) {
+        const int mt = M - m0 < MT ? (int)(M - m0) : MT;
+        __m512 acc[MT];
+        const int8_t* xm = xr + m0 * K;
+        const int32_t* sm = xsum + m0 * groups;
+        const float* fm = xs + m0 * groups;
+        /* a constant row count per call site, so the tile's loops unroll into registers */
+        if (mt == MT) tile(xm, sm, fm, K, G, MT, w, s, fp16, width, lanes, acc);
+        else tile(xm, sm, fm, K, G, mt, w, s, fp16, width, lanes, acc);
+        for (int c = 0; c < mt; c++)
+            _mm256_mask_storeu_epi16(y + (m0 + c) * N + n0, lanes, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[c], bv)));
+    }
+}
+
 /* xq [M, K] int8, xs [M, K / G] float32 (the activations' scales), q [N, K / 2] packed int4 in panels,
    scales [N, K / G] bf16 (fp16 != 0: fp16) in panel order, bias [N] bf16 or NULL, y [M, N] bf16;
    K % G == 0, G % 8 == 0. Returns 0, -1 (out of memory). */
@@ -165,29 +264,9 @@ int hybridlm_prefill_int4(const int8_t* xq, const float* xs, int64_t M, const ui
     int32_t* xsum = malloc((size_t)(M * groups) * sizeof(int32_t));
     if (!xr || !xsum) { free(xr); free(xsum); return -1; }
     reorder_activations(xq, M, K, G, xr, xsum, nthreads);
-    const int64_t panels = (N + 15) / 16;
-    #pragma omp parallel for schedule(static) num_threads(nthreads)
-    for (int64_t p = 0; p < panels; p++) {
-        const int64_t n0 = p * 16, width = N - n0 < 16 ? N - n0 : 16;
-        const __mmask16 lanes = (__mmask16)((1u << width) - 1);
-        const uint32_t* w = (const uint32_t*)(q + n0 * (K / 2));
-        const uint16_t* s = scales + n0 * groups;
-        __m512 bv = _mm512_setzero_ps();
-        if (bias) bv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, bias + n0)), 16));
-        for (int64_t m0 = 0; m0 < M; m0 += MT) {
-            const int mt = M - m0 < MT ? (int)(M - m0) : MT;
-            __m512 acc[MT];
-            const int8_t* xm = xr + m0 * K;
-            const int32_t* sm = xsum + m0 * groups;
-            const float* fm = xs + m0 * groups;
-            /* a constant row count per call site, so the tile's loops unroll into registers */
-            if (mt == MT) tile(xm, sm, fm, K, G, MT, w, s, fp16, width, lanes, acc);
-            else tile(xm, sm, fm, K, G, mt, w, s, fp16, width, lanes, acc);
-            for (int c = 0; c < mt; c++)
-                _mm256_mask_storeu_epi16(y + (m0 + c) * N + n0, lanes,
-                                         (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[c], bv)));
-        }
-    }
+    const int64_t units = int4_units(M, N);
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (N * K / 2 >= MIN_PARALLEL_BYTES)
+    for (int64_t u = 0; u < units; u++) int4_unit(xr, xsum, xs, M, q, scales, fp16, bias, y, N, K, G, u);
     free(xr);
     free(xsum);
     return 0;
@@ -273,20 +352,44 @@ int hybridlm_prefill_int8(const int8_t* xq, const float* xs, int64_t M, const in
     return 0;
 }
 
-/* See the AVX2 hybridlm_prefill_int4_grouped; here one product after another (int4 decode rows keep
-   quant.c's float tiles on AVX-512, so only prompt chunks get here). */
+/* See the AVX2 hybridlm_prefill_int4_grouped: P products' units (int4_units) in one parallel region, each
+   with the bits of its own call. */
 int hybridlm_prefill_int4_grouped(const int8_t* const* xqs, const float* const* xss, const int64_t* ms,
                                   const uint8_t* const* qs, const uint16_t* const* scaless, int fp16,
                                   uint16_t* const* ys, int64_t P, int64_t N, int64_t K, int64_t G, int nthreads) {
-    for (int64_t p = 0; p < P; p++)
-        if (hybridlm_prefill_int4(xqs[p], xss[p], ms[p], qs[p], scaless[p], fp16, NULL, ys[p], N, K, G, nthreads))
-            return -1;
+    const int64_t groups = K / G;
+    int64_t rows = 0;
+    for (int64_t p = 0; p < P; p++) rows += ms[p];
+    int8_t* xr = malloc((size_t)(rows * K));
+    int32_t* xsum = malloc((size_t)(rows * groups) * sizeof(int32_t));
+    int64_t* first = malloc((size_t)(2 * P + 1) * sizeof(int64_t));
+    if (!xr || !xsum || !first) { free(xr); free(xsum); free(first); return -1; }
+    int64_t* start = first + P;
+    start[0] = 0;
+    for (int64_t p = 0, at = 0; p < P; at += ms[p], p++) {
+        first[p] = at;
+        start[p + 1] = start[p] + int4_units(ms[p], N);
+        reorder_activations(xqs[p], ms[p], K, G, xr + at * K, xsum + at * groups, nthreads);
+    }
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (P * N * K / 2 >= MIN_PARALLEL_BYTES)
+    for (int64_t i = 0; i < start[P]; i++) {
+        int64_t p = 0;
+        while (start[p + 1] <= i) p++;
+        int4_unit(xr + first[p] * K, xsum + first[p] * groups, xss[p], ms[p], qs[p], scaless[p], fp16, NULL, ys[p],
+                  N, K, G, i - start[p]);
+    }
+    free(xr);
+    free(xsum);
+    free(first);
     return 0;
 }
 
 int64_t hybridlm_prefill_available(void) { return 1; }
-/* AVX-512: int4 decode rows keep quant.c's float tiles (16-wide, measured there). */
+/* AVX-512: int4 decode rows keep quant.c's float tiles. tile_panels' 32 GB/s in L2 (one core) against their
+   10 made a Qwen3.5-MoE int4 decode step only ~3 % faster (its experts are cold, read at ~8-12 GB/s by
+   either), not worth the int8 rounding of the activations. */
 int64_t hybridlm_prefill_int4_decode(void) { return 0; }
+#define INTEGER_KERNELS 1
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 /* AVX2: the same sums with vpmaddubsw (unsigned bytes × signed bytes, adjacent pairs summed into int16,
    saturating) and vpmaddwd against ones (pairs of int16 into int32), a lane per output row, 8 rows (half
@@ -352,9 +455,15 @@ static inline __attribute__((always_inline)) void tile(const int8_t* xr, const i
     }
 }
 
-/* Half panel hp (8 weight rows) of one int4 product against its M input rows (xr, xsum: the rows'
-   reordered activations and group sums). */
-static void int4_half_panel(const int8_t* xr, const int32_t* xsum, const float* xs, int64_t M, const uint8_t* q,
+/* The units of work of an int4 product: half panels of 8 weight rows. */
+static inline int64_t int4_units(int64_t M, int64_t N) {
+    (void)M;
+    return (N + 7) / 8;
+}
+
+/* Half panel hp (8 weight rows, int4_units) of one int4 product against its M input rows (xr, xsum: the
+   rows' reordered activations and group sums). */
+static void int4_unit(const int8_t* xr, const int32_t* xsum, const float* xs, int64_t M, const uint8_t* q,
                             const uint16_t* scales, int fp16, const uint16_t* bias, uint16_t* y, int64_t N,
                             int64_t K, int64_t G, int64_t hp) {
     const int64_t groups = K / G;
@@ -389,9 +498,9 @@ int hybridlm_prefill_int4(const int8_t* xq, const float* xs, int64_t M, const ui
     int32_t* xsum = malloc((size_t)(M * (K / G)) * sizeof(int32_t));
     if (!xr || !xsum) { free(xr); free(xsum); return -1; }
     reorder_activations(xq, M, K, G, xr, xsum, nthreads);
-    const int64_t halves = (N + 7) / 8;
+    const int64_t halves = int4_units(M, N);
     #pragma omp parallel for schedule(static) num_threads(nthreads)
-    for (int64_t hp = 0; hp < halves; hp++) int4_half_panel(xr, xsum, xs, M, q, scales, fp16, bias, y, N, K, G, hp);
+    for (int64_t hp = 0; hp < halves; hp++) int4_unit(xr, xsum, xs, M, q, scales, fp16, bias, y, N, K, G, hp);
     free(xr);
     free(xsum);
     return 0;
@@ -417,7 +526,7 @@ int hybridlm_prefill_int4_grouped(const int8_t* const* xqs, const float* const* 
     #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t i = 0; i < P * halves; i++) {
         const int64_t p = i / halves;
-        int4_half_panel(xr + first[p] * K, xsum + first[p] * groups, xss[p], ms[p], qs[p], scaless[p], fp16, NULL,
+        int4_unit(xr + first[p] * K, xsum + first[p] * groups, xss[p], ms[p], qs[p], scaless[p], fp16, NULL,
                         ys[p], N, K, G, i % halves);
     }
     free(xr);
@@ -562,6 +671,7 @@ int64_t hybridlm_prefill_available(void) { return 1; }
    per 8 weights turning nibbles into floats (4-6 GB/s a core on Zen 3), one vpmaddubsw here multiplies
    32 (9-12 GB/s), and the activations' int8 rounding adds nothing to int4's own error (quant_gemm). */
 int64_t hybridlm_prefill_int4_decode(void) { return 1; }
+#define INTEGER_KERNELS 1
 #else
 /* Without AVX-512 VNNI or AVX2 the caller keeps its dequantized bf16 path. */
 int hybridlm_prefill_int4(const int8_t* xq, const float* xs, int64_t M, const uint8_t* q, const uint16_t* scales,
@@ -589,4 +699,98 @@ int hybridlm_prefill_int4_grouped(const int8_t* const* xqs, const float* const* 
 int64_t hybridlm_prefill_available(void) { return 0; }
 /* No integer kernels: nothing to decode with. */
 int64_t hybridlm_prefill_int4_decode(void) { return 0; }
+#endif
+
+#ifdef INTEGER_KERNELS
+#include "combine.h"
+/* The routed int4 experts of a few tokens in one parallel region, on the integer tiles (quant.c's
+   hybridlm_moe_experts is the float tiles' version): expert p's rows xs[p] [ms[p], D] bf16 quantized per
+   group of G1 as a prompt row is, its first product (q1[p] [N1, D] packed int4, scales s1[p]: gate rows
+   then up rows when gated, N1 = 2·I, else up rows, N1 = I), the activation expert_hidden (bf16.h), the
+   hidden row quantized per group of G2, its down product (q2[p] [D, I], scales s2[p]), then the pairs'
+   outputs (expert p's rows after expert p - 1's) added into their tokens' rows of out [n, D] bf16 with
+   their routing weights (combine.h: w, w_bf16, w_at, tokens). Each product is computed by the units of
+   hybridlm_prefill_int4, so a row has the bits of its own calls whatever else the call holds. Returns 0
+   or -1 (out of memory). */
+int hybridlm_moe_experts_int4(const uint16_t* const* xs, const int64_t* ms, int64_t P, const uint8_t* const* q1,
+                              const uint16_t* const* s1, int64_t G1, const uint8_t* const* q2,
+                              const uint16_t* const* s2, int64_t G2, int fp16, int gated, const void* w,
+                              int w_bf16, const int64_t* w_at, const int64_t* tokens, uint16_t* out, int64_t n,
+                              int64_t D, int64_t I, int nthreads) {
+    const int64_t N1 = gated ? 2 * I : I, g1 = D / G1, g2 = I / G2;
+    int64_t rows = 0;
+    for (int64_t p = 0; p < P; p++) rows += ms[p];
+    int64_t* first = malloc((size_t)(3 * P + 2) * sizeof(int64_t));
+    int8_t *xq = malloc((size_t)(rows * D)), *xr = malloc((size_t)(rows * D));
+    int8_t *hq = malloc((size_t)(rows * I)), *hr = malloc((size_t)(rows * I));
+    float *xsc = malloc((size_t)(rows * g1) * sizeof(float)), *hsc = malloc((size_t)(rows * g2) * sizeof(float));
+    int32_t *xsum = malloc((size_t)(rows * g1) * sizeof(int32_t)), *hsum = malloc((size_t)(rows * g2) * sizeof(int32_t));
+    uint16_t *y1 = malloc((size_t)(rows * N1) * 2), *h = malloc((size_t)(rows * I) * 2), *ys = malloc((size_t)(rows * D) * 2);
+    float* acc = calloc((size_t)(n * D), sizeof(float));
+    int status = -1;
+    if (!first || !xq || !xr || !hq || !hr || !xsc || !hsc || !xsum || !hsum || !y1 || !h || !ys || !acc) goto done;
+    int64_t *start1 = first + P, *start2 = start1 + P + 1;
+    start1[0] = start2[0] = 0;
+    for (int64_t p = 0, at = 0; p < P; at += ms[p], p++) {
+        first[p] = at;
+        start1[p + 1] = start1[p] + int4_units(ms[p], N1);
+        start2[p + 1] = start2[p] + int4_units(ms[p], D);
+        for (int64_t m = 0; m < ms[p]; m++) {
+            const int64_t r = at + m;
+            if (p > 0 && xs[p] == xs[p - 1] && ms[p] == ms[p - 1]) {  /* one token's experts share its row */
+                memcpy(xr + r * D, xr + (r - ms[p]) * D, (size_t)D);
+                memcpy(xsc + r * g1, xsc + (r - ms[p]) * g1, (size_t)g1 * sizeof(float));
+                memcpy(xsum + r * g1, xsum + (r - ms[p]) * g1, (size_t)g1 * sizeof(int32_t));
+                continue;
+            }
+            quantize_row(xs[p] + m * D, D, G1, xq + r * D, xsc + r * g1);
+            reorder_row(xq + r * D, D, G1, xr + r * D, xsum + r * g1);
+        }
+    }
+    const int64_t bytes = P * D * (N1 + I) / 2;
+    #pragma omp parallel num_threads(nthreads) if (bytes >= MIN_PARALLEL_BYTES)
+    {
+        #pragma omp for schedule(static)
+        for (int64_t i = 0; i < start1[P]; i++) {
+            int64_t p = 0;
+            while (start1[p + 1] <= i) p++;
+            int4_unit(xr + first[p] * D, xsum + first[p] * g1, xsc + first[p] * g1, ms[p], q1[p], s1[p], fp16, NULL,
+                      y1 + first[p] * N1, N1, D, G1, i - start1[p]);
+        }
+        #pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            for (int64_t j = 0; j < I; j++) h[r * I + j] = f32_to_bf16(expert_hidden(y1 + r * N1, I, j, gated));
+            quantize_row(h + r * I, I, G2, hq + r * I, hsc + r * g2);
+            reorder_row(hq + r * I, I, G2, hr + r * I, hsum + r * g2);
+        }
+        #pragma omp for schedule(static)
+        for (int64_t i = 0; i < start2[P]; i++) {
+            int64_t p = 0;
+            while (start2[p + 1] <= i) p++;
+            int4_unit(hr + first[p] * I, hsum + first[p] * g2, hsc + first[p] * g2, ms[p], q2[p], s2[p], fp16, NULL,
+                      ys + first[p] * D, D, I, G2, i - start2[p]);
+        }
+        #pragma omp for schedule(static)
+        for (int64_t c0 = 0; c0 < D; c0 += COMBINE_COLUMNS)
+            combine_columns(ys, w, w_bf16, w_at, tokens, rows, acc, out, n, D, c0,
+                            c0 + COMBINE_COLUMNS < D ? c0 + COMBINE_COLUMNS : D);
+    }
+    status = 0;
+done:
+    free(first), free(xq), free(xr), free(hq), free(hr), free(xsc), free(hsc), free(xsum), free(hsum);
+    free(y1), free(h), free(ys), free(acc);
+    return status;
+}
+#else
+/* Without the integer kernels the caller keeps the float experts kernel or the grouped path. */
+int hybridlm_moe_experts_int4(const uint16_t* const* xs, const int64_t* ms, int64_t P, const uint8_t* const* q1,
+                              const uint16_t* const* s1, int64_t G1, const uint8_t* const* q2,
+                              const uint16_t* const* s2, int64_t G2, int fp16, int gated, const void* w,
+                              int w_bf16, const int64_t* w_at, const int64_t* tokens, uint16_t* out, int64_t n,
+                              int64_t D, int64_t I, int nthreads) {
+    (void)xs; (void)ms; (void)P; (void)q1; (void)s1; (void)G1; (void)q2; (void)s2; (void)G2; (void)fp16;
+    (void)gated; (void)w; (void)w_bf16; (void)w_at; (void)tokens; (void)out; (void)n; (void)D; (void)I;
+    (void)nthreads;
+    return -1;
+}
 #endif
