@@ -251,7 +251,7 @@ def test_quantized_experts_equal_their_dequantized_weights_computed_densely(sche
     """int8 / int4 experts, gated and non-gated (through the quantized kernels: decode, few-row and
     prompt paths) against every token's own experts in float64 on the dequantized weights, the
     activations as the kernels take them: bf16, or int8 per group where the rows take the integer
-    kernel (int4 on AVX2)."""
+    kernel (int4 where the integer kernels are built)."""
     experts = QuantExperts.from_experts(random_experts(6, 64, 64, seed=5, gated=gated), scheme)
     firsts = getattr(experts, experts.first)
     assert {q.bits for q in [*firsts, *experts.down_proj]} == {8 if scheme == "int8" else 4}

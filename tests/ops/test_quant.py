@@ -40,7 +40,7 @@ def _quantized(layer: nn.Linear, scheme: str) -> QuantLinear:
 
 def _reference(q: QuantLinear, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """float64 x @ W^T + b with W the exact dequantized weight, and the bound of |x| @ |W|^T. Where
-    int4 decode rows take the integer kernel (AVX2), x is what that kernel multiplies: its int8
+    int4 decode rows take the integer kernel (AVX-512 VNNI, AVX2), x is what that kernel multiplies: its int8
     quantization per group, xq · xs."""
     w = q.dequantized(torch.float64)
     x = x.double()

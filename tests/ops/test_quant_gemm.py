@@ -152,7 +152,7 @@ def test_quant_linear_prefill_rows_take_the_integer_path(scheme):
     want = layer._forward_integer(x.reshape(-1, 128)).view(2, FEW_TOKENS, 45)
     assert torch.equal(layer(x), want)
     few = layer(x[0, :3])
-    if layer._decodes_in_integers():  # int4 on AVX2: decode rows are prefill rows
+    if layer._decodes_in_integers():  # int4 (integer kernels): decode rows are prefill rows
         assert torch.equal(few, want[0, :3])
         return
     # decode-shaped calls keep bf16 activations: the quantized activations' error is absent there
@@ -165,7 +165,7 @@ def test_quant_linear_prefill_rows_take_the_integer_path(scheme):
 def test_prompt_rows_take_the_integer_path_however_few(scheme):
     """Inside `prompt_rows` a call of 1 or 5 rows computes them as the one-piece prefill does, bit for
     bit; outside, the same rows take the decode kernel (bf16 activations) and differ, but where int4
-    decode rows take the integer kernel too (AVX2)."""
+    decode rows take the integer kernel too (int4)."""
     layer = _layer(128, 45, scheme)
     x = _x(35, 128)
     whole = layer(x)

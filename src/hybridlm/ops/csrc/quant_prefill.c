@@ -385,10 +385,6 @@ int hybridlm_prefill_int4_grouped(const int8_t* const* xqs, const float* const* 
 }
 
 int64_t hybridlm_prefill_available(void) { return 1; }
-/* AVX-512: int4 decode rows keep quant.c's float tiles. tile_panels' 32 GB/s in L2 (one core) against their
-   10 made a Qwen3.5-MoE int4 decode step only ~3 % faster (its experts are cold, read at ~8-12 GB/s by
-   either), not worth the int8 rounding of the activations. */
-int64_t hybridlm_prefill_int4_decode(void) { return 0; }
 #define INTEGER_KERNELS 1
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 /* AVX2: the same sums with vpmaddubsw (unsigned bytes × signed bytes, adjacent pairs summed into int16,
@@ -667,10 +663,6 @@ int hybridlm_prefill_int8(const int8_t* xq, const float* xs, int64_t M, const in
 }
 
 int64_t hybridlm_prefill_available(void) { return 1; }
-/* AVX2: int4 decode rows take these kernels too. quant.c's 8-wide float tile spends ~6 instructions
-   per 8 weights turning nibbles into floats (4-6 GB/s a core on Zen 3), one vpmaddubsw here multiplies
-   32 (9-12 GB/s), and the activations' int8 rounding adds nothing to int4's own error (quant_gemm). */
-int64_t hybridlm_prefill_int4_decode(void) { return 1; }
 #define INTEGER_KERNELS 1
 #else
 /* Without AVX-512 VNNI or AVX2 the caller keeps its dequantized bf16 path. */
@@ -697,12 +689,26 @@ int hybridlm_prefill_int4_grouped(const int8_t* const* xqs, const float* const* 
 }
 
 int64_t hybridlm_prefill_available(void) { return 0; }
-/* No integer kernels: nothing to decode with. */
-int64_t hybridlm_prefill_int4_decode(void) { return 0; }
 #endif
 
 #ifdef INTEGER_KERNELS
 #include "combine.h"
+
+/* hybridlm_prefill_int4 on x [M, K] bf16, its rows quantized here per group of G (hybridlm_quantize_rows):
+   one call instead of two, which a decode row's few microseconds notice. Returns 0 or -1 (out of memory). */
+int hybridlm_prefill_int4_bf16(const uint16_t* x, int64_t M, const uint8_t* q, const uint16_t* scales, int fp16,
+                               const uint16_t* bias, uint16_t* y, int64_t N, int64_t K, int64_t G, int nthreads) {
+    int8_t* xq = malloc((size_t)(M * K));
+    float* xs = malloc((size_t)(M * (K / G)) * sizeof(float));
+    int status = -1;
+    if (xq && xs) {
+        hybridlm_quantize_rows(x, M, K, G, xq, xs, nthreads);
+        status = hybridlm_prefill_int4(xq, xs, M, q, scales, fp16, bias, y, N, K, G, nthreads);
+    }
+    free(xq);
+    free(xs);
+    return status;
+}
 /* The routed int4 experts of a few tokens in one parallel region, on the integer tiles (quant.c's
    hybridlm_moe_experts is the float tiles' version): expert p's rows xs[p] [ms[p], D] bf16 quantized per
    group of G1 as a prompt row is, its first product (q1[p] [N1, D] packed int4, scales s1[p]: gate rows
@@ -782,6 +788,14 @@ done:
     return status;
 }
 #else
+/* Without the integer kernels the caller keeps its dequantized bf16 path. */
+int hybridlm_prefill_int4_bf16(const uint16_t* x, int64_t M, const uint8_t* q, const uint16_t* scales, int fp16,
+                               const uint16_t* bias, uint16_t* y, int64_t N, int64_t K, int64_t G, int nthreads) {
+    (void)x; (void)M; (void)q; (void)scales; (void)fp16; (void)bias; (void)y; (void)N; (void)K; (void)G;
+    (void)nthreads;
+    return -1;
+}
+
 /* Without the integer kernels the caller keeps the float experts kernel or the grouped path. */
 int hybridlm_moe_experts_int4(const uint16_t* const* xs, const int64_t* ms, int64_t P, const uint8_t* const* q1,
                               const uint16_t* const* s1, int64_t G1, const uint8_t* const* q2,
