@@ -38,6 +38,13 @@ static inline __m256 widen8x(const uint16_t* p) {
 }
 #endif
 
+/* The product whose units of work [start[p], start[p + 1]) hold unit i (the grouped calls). */
+static inline __attribute__((unused)) int64_t product_of(const int64_t* start, int64_t i) {
+    int64_t p = 0;
+    while (start[p + 1] <= i) p++;
+    return p;
+}
+
 /* One row x [K] bf16 -> xq [K] int8, xs [K / B] float32: per block of B inputs xs = max|x| / 127 (the
    smallest normal float32 for an all-zero block), xq = round(x / xs) half to even, as
    quant_gemm.quantize_activations computes it in torch. hybridlm_quantize_rows: M rows [M, K]. */
@@ -373,8 +380,7 @@ int hybridlm_prefill_int4_grouped(const int8_t* const* xqs, const float* const* 
     }
     #pragma omp parallel for schedule(static) num_threads(nthreads) if (P * N * K / 2 >= MIN_PARALLEL_BYTES)
     for (int64_t i = 0; i < start[P]; i++) {
-        int64_t p = 0;
-        while (start[p + 1] <= i) p++;
+        const int64_t p = product_of(start, i);
         int4_unit(xr + first[p] * K, xsum + first[p] * groups, xss[p], ms[p], qs[p], scaless[p], fp16, NULL, ys[p],
                   N, K, G, i - start[p]);
     }
@@ -758,8 +764,7 @@ int hybridlm_moe_experts_int4(const uint16_t* const* xs, const int64_t* ms, int6
     {
         #pragma omp for schedule(static)
         for (int64_t i = 0; i < start1[P]; i++) {
-            int64_t p = 0;
-            while (start1[p + 1] <= i) p++;
+            const int64_t p = product_of(start1, i);
             int4_unit(xr + first[p] * D, xsum + first[p] * g1, xsc + first[p] * g1, ms[p], q1[p], s1[p], fp16, NULL,
                       y1 + first[p] * N1, N1, D, G1, i - start1[p]);
         }
@@ -771,8 +776,7 @@ int hybridlm_moe_experts_int4(const uint16_t* const* xs, const int64_t* ms, int6
         }
         #pragma omp for schedule(static)
         for (int64_t i = 0; i < start2[P]; i++) {
-            int64_t p = 0;
-            while (start2[p + 1] <= i) p++;
+            const int64_t p = product_of(start2, i);
             int4_unit(hr + first[p] * I, hsum + first[p] * g2, hsc + first[p] * g2, ms[p], q2[p], s2[p], fp16, NULL,
                       ys + first[p] * D, D, I, G2, i - start2[p]);
         }
