@@ -38,13 +38,6 @@ static inline __m256 widen8x(const uint16_t* p) {
 }
 #endif
 
-/* The product whose units of work [start[p], start[p + 1]) hold unit i (the grouped calls). */
-static inline __attribute__((unused)) int64_t product_of(const int64_t* start, int64_t i) {
-    int64_t p = 0;
-    while (start[p + 1] <= i) p++;
-    return p;
-}
-
 /* One row x [K] bf16 -> xq [K] int8, xs [K / B] float32: per block of B inputs xs = max|x| / 127 (the
    smallest normal float32 for an all-zero block), xq = round(x / xs) half to even, as
    quant_gemm.quantize_activations computes it in torch. hybridlm_quantize_rows: M rows [M, K]. */
@@ -260,25 +253,6 @@ static void int4_unit(const int8_t* xr, const int32_t* xsum, const float* xs, in
     }
 }
 
-/* xq [M, K] int8, xs [M, K / G] float32 (the activations' scales), q [N, K / 2] packed int4 in panels,
-   scales [N, K / G] bf16 (fp16 != 0: fp16) in panel order, bias [N] bf16 or NULL, y [M, N] bf16;
-   K % G == 0, G % 8 == 0. Returns 0, -1 (out of memory). */
-int hybridlm_prefill_int4(const int8_t* xq, const float* xs, int64_t M, const uint8_t* q, const uint16_t* scales,
-                          int fp16, const uint16_t* bias, uint16_t* y, int64_t N, int64_t K, int64_t G,
-                          int nthreads) {
-    const int64_t groups = K / G;
-    int8_t* xr = malloc((size_t)(M * K));
-    int32_t* xsum = malloc((size_t)(M * groups) * sizeof(int32_t));
-    if (!xr || !xsum) { free(xr); free(xsum); return -1; }
-    reorder_activations(xq, M, K, G, xr, xsum, nthreads);
-    const int64_t units = int4_units(M, N);
-    #pragma omp parallel for schedule(static) num_threads(nthreads) if (N * K / 2 >= MIN_PARALLEL_BYTES)
-    for (int64_t u = 0; u < units; u++) int4_unit(xr, xsum, xs, M, q, scales, fp16, bias, y, N, K, G, u);
-    free(xr);
-    free(xsum);
-    return 0;
-}
-
 /* int8 weights: acc[c] (16 outputs of one panel, float32, before the weight scales) for input rows c <
    mt. wp holds the panel's weights as words (k / 4, n): bytes q[n, k .. k + 3] + 128 (unsigned), 16
    words a step; x the rows' int8 activations (K bytes each), xsum / xs their per-block sums and
@@ -359,37 +333,6 @@ int hybridlm_prefill_int8(const int8_t* xq, const float* xs, int64_t M, const in
     return 0;
 }
 
-/* See the AVX2 hybridlm_prefill_int4_grouped: P products' units (int4_units) in one parallel region, each
-   with the bits of its own call. */
-int hybridlm_prefill_int4_grouped(const int8_t* const* xqs, const float* const* xss, const int64_t* ms,
-                                  const uint8_t* const* qs, const uint16_t* const* scaless, int fp16,
-                                  uint16_t* const* ys, int64_t P, int64_t N, int64_t K, int64_t G, int nthreads) {
-    const int64_t groups = K / G;
-    int64_t rows = 0;
-    for (int64_t p = 0; p < P; p++) rows += ms[p];
-    int8_t* xr = malloc((size_t)(rows * K));
-    int32_t* xsum = malloc((size_t)(rows * groups) * sizeof(int32_t));
-    int64_t* first = malloc((size_t)(2 * P + 1) * sizeof(int64_t));
-    if (!xr || !xsum || !first) { free(xr); free(xsum); free(first); return -1; }
-    int64_t* start = first + P;
-    start[0] = 0;
-    for (int64_t p = 0, at = 0; p < P; at += ms[p], p++) {
-        first[p] = at;
-        start[p + 1] = start[p] + int4_units(ms[p], N);
-        reorder_activations(xqs[p], ms[p], K, G, xr + at * K, xsum + at * groups, nthreads);
-    }
-    #pragma omp parallel for schedule(static) num_threads(nthreads) if (P * N * K / 2 >= MIN_PARALLEL_BYTES)
-    for (int64_t i = 0; i < start[P]; i++) {
-        const int64_t p = product_of(start, i);
-        int4_unit(xr + first[p] * K, xsum + first[p] * groups, xss[p], ms[p], qs[p], scaless[p], fp16, NULL, ys[p],
-                  N, K, G, i - start[p]);
-    }
-    free(xr);
-    free(xsum);
-    free(first);
-    return 0;
-}
-
 int64_t hybridlm_prefill_available(void) { return 1; }
 #define INTEGER_KERNELS 1
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -466,8 +409,8 @@ static inline int64_t int4_units(int64_t M, int64_t N) {
 /* Half panel hp (8 weight rows, int4_units) of one int4 product against its M input rows (xr, xsum: the
    rows' reordered activations and group sums). */
 static void int4_unit(const int8_t* xr, const int32_t* xsum, const float* xs, int64_t M, const uint8_t* q,
-                            const uint16_t* scales, int fp16, const uint16_t* bias, uint16_t* y, int64_t N,
-                            int64_t K, int64_t G, int64_t hp) {
+                      const uint16_t* scales, int fp16, const uint16_t* bias, uint16_t* y, int64_t N, int64_t K,
+                      int64_t G, int64_t hp) {
     const int64_t groups = K / G;
     const int64_t n0 = hp / 2 * 16, pw = N - n0 < 16 ? N - n0 : 16, h = hp % 2;
     const int64_t width = pw - 8 * h;
@@ -490,51 +433,6 @@ static void int4_unit(const int8_t* xr, const int32_t* xsum, const float* xs, in
         for (int c = 0; c < mt; c++)
             store_bf16(y + (m0 + c) * N + n0 + 8 * h, _mm256_add_ps(acc[c], bv), width < 8 ? width : 8);
     }
-}
-
-/* See the AVX-512 hybridlm_prefill_int4. */
-int hybridlm_prefill_int4(const int8_t* xq, const float* xs, int64_t M, const uint8_t* q, const uint16_t* scales,
-                          int fp16, const uint16_t* bias, uint16_t* y, int64_t N, int64_t K, int64_t G,
-                          int nthreads) {
-    int8_t* xr = malloc((size_t)(M * K));
-    int32_t* xsum = malloc((size_t)(M * (K / G)) * sizeof(int32_t));
-    if (!xr || !xsum) { free(xr); free(xsum); return -1; }
-    reorder_activations(xq, M, K, G, xr, xsum, nthreads);
-    const int64_t halves = int4_units(M, N);
-    #pragma omp parallel for schedule(static) num_threads(nthreads)
-    for (int64_t hp = 0; hp < halves; hp++) int4_unit(xr, xsum, xs, M, q, scales, fp16, bias, y, N, K, G, hp);
-    free(xr);
-    free(xsum);
-    return 0;
-}
-
-/* P int4 products of one shape in one parallel region (a token's routed experts: each small product's
-   own region cost more than its reads): for p < P, ys[p] [ms[p], N] = what hybridlm_prefill_int4
-   computes for xqs[p], xss[p], ms[p], qs[p], scaless[p], no bias; the same bits. */
-int hybridlm_prefill_int4_grouped(const int8_t* const* xqs, const float* const* xss, const int64_t* ms,
-                                  const uint8_t* const* qs, const uint16_t* const* scaless, int fp16,
-                                  uint16_t* const* ys, int64_t P, int64_t N, int64_t K, int64_t G, int nthreads) {
-    const int64_t groups = K / G, halves = (N + 7) / 8;
-    int64_t rows = 0;
-    for (int64_t p = 0; p < P; p++) rows += ms[p];
-    int8_t* xr = malloc((size_t)(rows * K));
-    int32_t* xsum = malloc((size_t)(rows * groups) * sizeof(int32_t));
-    int64_t* first = malloc((size_t)P * sizeof(int64_t));
-    if (!xr || !xsum || !first) { free(xr); free(xsum); free(first); return -1; }
-    for (int64_t p = 0, at = 0; p < P; at += ms[p], p++) {
-        first[p] = at;
-        reorder_activations(xqs[p], ms[p], K, G, xr + at * K, xsum + at * groups, nthreads);
-    }
-    #pragma omp parallel for schedule(static) num_threads(nthreads)
-    for (int64_t i = 0; i < P * halves; i++) {
-        const int64_t p = i / halves;
-        int4_unit(xr + first[p] * K, xsum + first[p] * groups, xss[p], ms[p], qs[p], scaless[p], fp16, NULL,
-                        ys[p], N, K, G, i % halves);
-    }
-    free(xr);
-    free(xsum);
-    free(first);
-    return 0;
 }
 
 /* int8, 8 weight rows: acc[c] (float32, before the weight scales) for input rows c < mt; wp the rows'
@@ -672,25 +570,9 @@ int64_t hybridlm_prefill_available(void) { return 1; }
 #define INTEGER_KERNELS 1
 #else
 /* Without AVX-512 VNNI or AVX2 the caller keeps its dequantized bf16 path. */
-int hybridlm_prefill_int4(const int8_t* xq, const float* xs, int64_t M, const uint8_t* q, const uint16_t* scales,
-                          int fp16, const uint16_t* bias, uint16_t* y, int64_t N, int64_t K, int64_t G,
-                          int nthreads) {
-    (void)xq; (void)xs; (void)M; (void)q; (void)scales; (void)fp16; (void)bias; (void)y; (void)N; (void)K;
-    (void)G; (void)nthreads;
-    return -1;
-}
-
 int hybridlm_prefill_int8(const int8_t* xq, const float* xs, int64_t M, const int8_t* q, const float* ws,
                           const uint16_t* bias, uint16_t* y, int64_t N, int64_t K, int64_t B, int nthreads) {
     (void)xq; (void)xs; (void)M; (void)q; (void)ws; (void)bias; (void)y; (void)N; (void)K; (void)B; (void)nthreads;
-    return -1;
-}
-
-int hybridlm_prefill_int4_grouped(const int8_t* const* xqs, const float* const* xss, const int64_t* ms,
-                                  const uint8_t* const* qs, const uint16_t* const* scaless, int fp16,
-                                  uint16_t* const* ys, int64_t P, int64_t N, int64_t K, int64_t G, int nthreads) {
-    (void)xqs; (void)xss; (void)ms; (void)qs; (void)scaless; (void)fp16; (void)ys; (void)P; (void)N; (void)K;
-    (void)G; (void)nthreads;
     return -1;
 }
 
@@ -699,6 +581,64 @@ int64_t hybridlm_prefill_available(void) { return 0; }
 
 #ifdef INTEGER_KERNELS
 #include "combine.h"
+
+/* The product whose units of work [start[p], start[p + 1]) hold unit i (the grouped calls). */
+static inline int64_t product_of(const int64_t* start, int64_t i) {
+    int64_t p = 0;
+    while (start[p + 1] <= i) p++;
+    return p;
+}
+
+/* xq [M, K] int8, xs [M, K / G] float32 (the activations' scales), q [N, K / 2] packed int4 in panels,
+   scales [N, K / G] bf16 (fp16 != 0: fp16) in panel order, bias [N] bf16 or NULL, y [M, N] bf16;
+   K % G == 0, G % 8 == 0: this ISA's units (int4_units / int4_unit). Returns 0, -1 (out of memory). */
+int hybridlm_prefill_int4(const int8_t* xq, const float* xs, int64_t M, const uint8_t* q, const uint16_t* scales,
+                          int fp16, const uint16_t* bias, uint16_t* y, int64_t N, int64_t K, int64_t G,
+                          int nthreads) {
+    const int64_t groups = K / G;
+    int8_t* xr = malloc((size_t)(M * K));
+    int32_t* xsum = malloc((size_t)(M * groups) * sizeof(int32_t));
+    if (!xr || !xsum) { free(xr); free(xsum); return -1; }
+    reorder_activations(xq, M, K, G, xr, xsum, nthreads);
+    const int64_t units = int4_units(M, N);
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (N * K / 2 >= MIN_PARALLEL_BYTES)
+    for (int64_t u = 0; u < units; u++) int4_unit(xr, xsum, xs, M, q, scales, fp16, bias, y, N, K, G, u);
+    free(xr);
+    free(xsum);
+    return 0;
+}
+
+/* P int4 products of one shape in one parallel region (a token's routed experts: each small product's
+   own region cost more than its reads): for p < P, ys[p] [ms[p], N] = what hybridlm_prefill_int4
+   computes for xqs[p], xss[p], ms[p], qs[p], scaless[p], no bias; the same bits. */
+int hybridlm_prefill_int4_grouped(const int8_t* const* xqs, const float* const* xss, const int64_t* ms,
+                                  const uint8_t* const* qs, const uint16_t* const* scaless, int fp16,
+                                  uint16_t* const* ys, int64_t P, int64_t N, int64_t K, int64_t G, int nthreads) {
+    const int64_t groups = K / G;
+    int64_t rows = 0;
+    for (int64_t p = 0; p < P; p++) rows += ms[p];
+    int8_t* xr = malloc((size_t)(rows * K));
+    int32_t* xsum = malloc((size_t)(rows * groups) * sizeof(int32_t));
+    int64_t* first = malloc((size_t)(2 * P + 1) * sizeof(int64_t));
+    if (!xr || !xsum || !first) { free(xr); free(xsum); free(first); return -1; }
+    int64_t* start = first + P;
+    start[0] = 0;
+    for (int64_t p = 0, at = 0; p < P; at += ms[p], p++) {
+        first[p] = at;
+        start[p + 1] = start[p] + int4_units(ms[p], N);
+        reorder_activations(xqs[p], ms[p], K, G, xr + at * K, xsum + at * groups, nthreads);
+    }
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (P * N * K / 2 >= MIN_PARALLEL_BYTES)
+    for (int64_t i = 0; i < start[P]; i++) {
+        const int64_t p = product_of(start, i);
+        int4_unit(xr + first[p] * K, xsum + first[p] * groups, xss[p], ms[p], qs[p], scaless[p], fp16, NULL, ys[p],
+                  N, K, G, i - start[p]);
+    }
+    free(xr);
+    free(xsum);
+    free(first);
+    return 0;
+}
 
 /* hybridlm_prefill_int4 on x [M, K] bf16, its rows quantized here per group of G (hybridlm_quantize_rows):
    one call instead of two, which a decode row's few microseconds notice. Returns 0 or -1 (out of memory). */
@@ -793,6 +733,22 @@ done:
 }
 #else
 /* Without the integer kernels the caller keeps its dequantized bf16 path. */
+int hybridlm_prefill_int4(const int8_t* xq, const float* xs, int64_t M, const uint8_t* q, const uint16_t* scales,
+                          int fp16, const uint16_t* bias, uint16_t* y, int64_t N, int64_t K, int64_t G,
+                          int nthreads) {
+    (void)xq; (void)xs; (void)M; (void)q; (void)scales; (void)fp16; (void)bias; (void)y; (void)N; (void)K;
+    (void)G; (void)nthreads;
+    return -1;
+}
+
+int hybridlm_prefill_int4_grouped(const int8_t* const* xqs, const float* const* xss, const int64_t* ms,
+                                  const uint8_t* const* qs, const uint16_t* const* scaless, int fp16,
+                                  uint16_t* const* ys, int64_t P, int64_t N, int64_t K, int64_t G, int nthreads) {
+    (void)xqs; (void)xss; (void)ms; (void)qs; (void)scaless; (void)fp16; (void)ys; (void)P; (void)N; (void)K;
+    (void)G; (void)nthreads;
+    return -1;
+}
+
 int hybridlm_prefill_int4_bf16(const uint16_t* x, int64_t M, const uint8_t* q, const uint16_t* scales, int fp16,
                                const uint16_t* bias, uint16_t* y, int64_t N, int64_t K, int64_t G, int nthreads) {
     (void)x; (void)M; (void)q; (void)scales; (void)fp16; (void)bias; (void)y; (void)N; (void)K; (void)G;
