@@ -131,15 +131,21 @@ def test_experts_kernel_gives_each_product_its_layers_decode_bits(
     assert torch.equal(quantized_experts(first, down, xs, False, each_its_own(xs)), want)
 
 
-@needs_experts_kernel
-def test_experts_kernel_rows_do_not_depend_on_the_rows_beside_them(isa, float_decode_tiles):
+def assert_rows_independent(call) -> None:
+    """`call` (an experts kernel's wrapper) on 4 int4 experts of 5, 1, 19 and 2 rows gives each row what it
+    gives that row alone."""
     first, down = experts(4, 64, 48, ("int4", "int4"), gated=True, seed=5)
     counts = [5, 1, 19, 2]
     xs = rows_of(counts, 64, seed=9)
-    together = quantized_experts(first, down, xs, True, each_its_own(xs)).split(counts)
+    together = call(first, down, xs, True, each_its_own(xs)).split(counts)
     for f, dn, x, got in zip(first, down, xs, together, strict=True):
-        alone = [quantized_experts([f], [dn], [row], True, each_its_own([row])) for row in x.split(1)]
+        alone = [call([f], [dn], [row], True, each_its_own([row])) for row in x.split(1)]
         assert torch.equal(got, torch.cat(alone))
+
+
+@needs_experts_kernel
+def test_experts_kernel_rows_do_not_depend_on_the_rows_beside_them(isa, float_decode_tiles):
+    assert_rows_independent(quantized_experts)
 
 
 def assert_bf16_silu_times_up(got: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> None:
@@ -288,13 +294,7 @@ def test_integer_experts_kernel_gives_each_product_its_layers_integer_bits(
 
 
 def test_integer_experts_kernel_rows_do_not_depend_on_the_rows_beside_them(integer_tiles):
-    first, down = experts(4, 64, 48, ("int4", "int4"), gated=True, seed=5)
-    counts = [5, 1, 19, 2]
-    xs = rows_of(counts, 64, seed=9)
-    together = integer_experts(first, down, xs, True, each_its_own(xs)).split(counts)
-    for f, dn, x, got in zip(first, down, xs, together, strict=True):
-        alone = [integer_experts([f], [dn], [row], True, each_its_own([row])) for row in x.split(1)]
-        assert torch.equal(got, torch.cat(alone))
+    assert_rows_independent(integer_experts)
 
 
 def test_integer_experts_kernel_gated_experts_take_silu_of_the_gate_rows_times_the_up_rows(integer_tiles):
