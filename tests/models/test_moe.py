@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from hybridlm.models import load_model
 from hybridlm.models.checkpoint import CheckpointError
+from hybridlm.models.fused import fuse_projections
 from hybridlm.models.layers import GatedMLP
 from hybridlm.models.moe import (
     SIGMOID,
@@ -33,6 +34,7 @@ from hybridlm.models.moe import (
 )
 from hybridlm.ops.linear import rowwise
 from hybridlm.ops.native import FEW_TOKENS
+from hybridlm.ops.quant import quantize_
 from hybridlm.ops.quant_gemm import ACT_BLOCK, integer_prefill, prompt_rows, quantize_activations
 
 
@@ -475,3 +477,50 @@ def test_the_selection_bias_stays_float32_in_a_bf16_model(checkpoints):
     assert torch.equal(router.e_score_correction_bias, stored)
     model.to(torch.float16)
     assert torch.equal(router.e_score_correction_bias, stored)
+
+
+def shared_block(gated_shared: bool, scheme: str | None) -> SparseMoE:
+    """A loaded MoE block (bf16, fused, quantized by `scheme`) whose shared expert has the routed experts'
+    shape: Qwen's sigmoid-gated shared expert with bf16 routing weights, or Kimi's / Ling's ungated one
+    with float32 weights."""
+    d, inter, e = 128, 64, 6
+    router = Router(d, e, 2, SOFTMAX)
+    gen = torch.Generator().manual_seed(21)
+    router.weight.data = torch.randn(e, d, generator=gen) * d**-0.5
+    shared = GatedMLP(d, inter)
+    for layer in (shared.gate_proj, shared.up_proj, shared.down_proj):
+        layer.weight.data = torch.randn(layer.weight.shape, generator=gen) * layer.in_features**-0.5
+    weights_dtype = "activation" if gated_shared else "float32"
+    block = SparseMoE(router, random_experts(e, d, inter, seed=22), shared, "shared_expert", gated_shared,
+                      weights_dtype)
+    if gated_shared:
+        block.shared_expert_gate.weight.data = torch.randn(1, d, generator=gen) * d**-0.5
+    block = block.bfloat16().requires_grad_(False)
+    if scheme is not None:
+        quantize_(block, scheme)
+        block.experts = QuantExperts.from_experts(block.experts, scheme)
+    return fuse_projections(block)
+
+
+@pytest.mark.parametrize("scheme", [None, "int8", "int4"])
+@pytest.mark.parametrize("gated_shared", [True, False])
+@pytest.mark.parametrize("tokens", [1, FEW_TOKENS, 23])  # a decode step, a verify pass, a packed step
+def test_a_shared_expert_in_the_experts_call_has_the_bits_it_has_computed_apart(tokens, gated_shared, scheme):
+    """Decode rows take the shared expert into the routed experts' one kernel call (`Experts.joins`): the
+    block's output equals, bit for bit, the routed experts plus the shared expert computed by its own
+    module and added by torch."""
+    block = shared_block(gated_shared, scheme)
+    x = (2 * torch.randn(tokens, 128, generator=torch.Generator().manual_seed(tokens))).bfloat16()
+    joined, fused = [], block.experts.fused
+
+    def spied(es, xs, pairs, shared=None):
+        joined.append(shared)
+        return fused(es, xs, pairs, shared)
+
+    block.experts.fused = spied
+    with rowwise() if tokens > FEW_TOKENS else nullcontext():
+        got = block(x)
+        block.experts.joins = lambda *args: False
+        want = block(x)
+    assert joined[0] is block.shared_expert and joined[-1] is None
+    assert torch.equal(got, want)

@@ -12,6 +12,7 @@ from torch import nn
 from hybridlm.models.layers import relu2
 from hybridlm.ops import moe, quant_gemm
 from hybridlm.ops import quant as quant_module
+from hybridlm.ops.elementwise import gated_rows
 from hybridlm.ops.linear import linear, rowwise
 from hybridlm.ops.moe import (
     Pairs,
@@ -321,3 +322,116 @@ def test_integer_experts_refuse_int8_and_mixed_layers(integer_tiles):
     assert integer_experts(int8, down8, xs, True, each_its_own(xs)) is None
     assert integer_experts(int4, down8, xs, True, each_its_own(xs)) is None
     assert integer_experts([int4[0], int8[1]], down4, xs, True, each_its_own(xs)) is None
+
+
+@needs_bf16_experts_kernel
+def test_gated_rows_give_the_experts_kernels_hidden_rows(isa):
+    """`gated_rows` of a fused product's halves (strided views) equals the hidden rows the experts kernel
+    computes from the same product (an identity down product returns them), bit for bit, and torch's
+    bf16 silu times up within its rounding."""
+    width = 48
+    first, _ = bf16_stacks(1, width, width, gated=True, seed=13)
+    x = rows_of([FEW_TOKENS], width, seed=3)[0]
+    hidden = bf16_experts(first, torch.eye(width, dtype=BF16)[None], [0], [x], True, each_its_own([x]))
+    with rowwise():
+        gate, up = torch.split_with_sizes(linear(x, first[0]), [width, width], dim=-1)
+    got = gated_rows(torch.nn.functional.silu, gate, up)
+    assert torch.equal(got, hidden)
+    assert_bf16_silu_times_up(got, gate, up)
+
+
+@needs_bf16_experts_kernel
+@pytest.mark.parametrize("weights_dtype", [torch.float32, torch.bfloat16])
+def test_late_pairs_are_added_after_the_rounded_sum_as_torch_adds_an_output_computed_apart(
+    isa, weights_dtype
+):
+    """A shared expert in the experts call (`shared`, expert id E, its pairs last and `late`): each
+    token's row is the routed experts' combined row, rounded, plus the shared output times its weight,
+    added by torch in bf16: what `SparseMoE` computes with the shared expert apart."""
+    tokens, k, d, inter = 3, 2, 64, 32
+    first, down = bf16_stacks(5, d, inter, gated=True, seed=4)
+    shared = bf16_stacks(1, d, inter, gated=True, seed=5)
+    x = rows_of([tokens], d, seed=8)[0]
+    gen = torch.Generator().manual_seed(2)
+    weights = torch.rand(tokens, k + 1, generator=gen).to(weights_dtype)
+    es, xs = [0, 3, 4, 5], [x[:2], x[1:], x[[0]], x]  # routed: (t0, t1) (t1, t2) (t0); shared: all
+    w_at = [0, 3, 4, 6, 1, 2, 5, 8]
+    rows = [0, 1, 1, 2, 0, 0, 1, 2]
+    routed_rows = bf16_experts(first, down, es[:3], xs[:3], True, Pairs(weights, w_at[:5], rows[:5], tokens))
+    apart = bf16_experts(shared[0], shared[1], [0], [x], True, each_its_own([x]))
+    want = routed_rows + apart * weights[:, k:].to(BF16) if weights_dtype is BF16 else routed_rows + apart
+    if weights_dtype is torch.float32:  # an ungated shared expert: weight 1
+        weights[:, k] = 1
+    pairs = Pairs(weights, w_at, rows, tokens, late=tokens)
+    assert torch.equal(bf16_experts(first, down, es, xs, True, pairs, (shared[0][0], shared[1][0])), want)
+
+
+needs_route_kernel = pytest.mark.skipif(
+    moe.ROUTE_KERNEL.get() is None, reason="linear kernel could not be built"
+)
+
+# (sigmoid, normalize, with a selection bias, scaling, eps): Qwen's, unnormalised softmax, LFM2-MoE's, raw
+ROUTERS = {
+    "softmax": (False, True, False, 1.0, 0.0),
+    "softmax-raw": (False, False, False, 1.0, 0.0),
+    "sigmoid-bias": (True, True, True, 2.5, 1e-6),
+    "sigmoid-raw": (True, False, False, 1.0, 0.0),
+}
+
+
+def assert_routes_by_the_rule(logits, index, weights, sigmoid, normalize, bias, scaling, eps) -> None:
+    """Each row's k choices are a top k of its ranking (ties either way) in float64, and their weights the
+    rule's (scores of the chosen, normalised, scaled) within float32 exp's error."""
+    logits = logits.double()
+    scores = torch.sigmoid(logits) if sigmoid else torch.softmax(logits, dim=-1)
+    rank = scores + (0 if bias is None else bias.double())
+    for r in range(logits.shape[0]):
+        chosen = index[r].tolist()
+        unchosen = [e for e in range(logits.shape[1]) if e not in chosen]
+        assert len(set(chosen)) == len(chosen) and rank[r, chosen].min() >= rank[r, unchosen].max()
+        want = scores[r, chosen]
+        if normalize:
+            want = want / (want.sum() + (eps if sigmoid else 0.0))
+        torch.testing.assert_close(weights[r].double(), want * scaling, rtol=1e-5, atol=0)
+
+
+@needs_route_kernel
+@pytest.mark.parametrize("rule", ROUTERS)
+@pytest.mark.parametrize("tokens", [1, FEW_TOKENS, 23])
+def test_router_kernel_picks_the_rules_experts_with_their_weights(isa, rule, tokens):
+    """37 experts, top 3, on the logits the decode kernel gives: the rule's experts and weights in float64,
+    each row as alone; with the shared expert joined, one more choice weighted by its gate's scale,
+    sigmoid of the gate row's logit within bf16 rounding."""
+    sigmoid, normalize, biased, scaling, eps = ROUTERS[rule]
+    gen = torch.Generator().manual_seed(tokens)
+    router = (torch.randn(37, 96, generator=gen) / 4).bfloat16()
+    gate = (torch.randn(1, 96, generator=gen) / 4).bfloat16()
+    bias = torch.randn(37, generator=gen) / 10 if biased else None
+    x = rows_of([tokens], 96, seed=tokens)[0]
+    settings = (3, sigmoid, normalize, bias, scaling, eps, gate, None, 37, torch.float32)
+    with rowwise():
+        logits, gate_logits = linear(x, router), linear(x, gate)
+        weights, index, scale = moe.route_rows(x, router, *settings)
+        alone = [moe.route_rows(row, router, *settings) for row in x.split(1)]
+    assert_routes_by_the_rule(logits, index[:, :3], weights[:, :3], sigmoid, normalize, bias, scaling, eps)
+    assert (index[:, 3] == 37).all() and torch.equal(weights[:, 3:], scale.float())
+    sigmoid_gate = torch.sigmoid(gate_logits.double())
+    assert ((scale.double() - sigmoid_gate).abs() <= sigmoid_gate * 2**-8).all()
+    for t, (w, i, s) in enumerate(alone):
+        assert torch.equal(w, weights[t : t + 1]) and torch.equal(i, index[t : t + 1])
+        assert torch.equal(s, scale[t : t + 1])
+
+
+@needs_route_kernel
+def test_router_kernel_rounds_bf16_weights_and_takes_a_given_scale(isa):
+    """bf16 routing weights are the float32 ones rounded; without a gate row the joined column carries
+    the caller's scale (a quantized gate's), and without either it is 1."""
+    x = rows_of([5], 64, seed=2)[0]
+    router = (torch.randn(9, 64, generator=torch.Generator().manual_seed(3)) / 4).bfloat16()
+    given = torch.rand(5, 1).bfloat16()
+    w32, i32, _ = moe.route_rows(x, router, 2, False, True, None, 1.0, 0.0, None, given, 9, torch.float32)
+    w16, i16, scale = moe.route_rows(x, router, 2, False, True, None, 1.0, 0.0, None, given, 9, BF16)
+    assert torch.equal(i16, i32) and torch.equal(w16, w32.bfloat16()) and scale is given
+    assert torch.equal(w16[:, 2:], given)
+    w, i, scale = moe.route_rows(x, router, 2, False, True, None, 1.0, 0.0, None, None, 9, BF16)
+    assert scale is None and (w[:, 2] == 1).all() and torch.equal(i, i16)

@@ -41,7 +41,7 @@ from hybridlm.models.layers import Attention, GatedDeltaNet, GatedMLP
 from hybridlm.models.mamba2 import Mamba2Mixer
 from hybridlm.models.moe import SparseMoE
 from hybridlm.ops.conv import CONV_KERNEL
-from hybridlm.ops.elementwise import elementwise_rows
+from hybridlm.ops.elementwise import gated_rows
 from hybridlm.ops.gated_delta import GDN_KERNEL
 from hybridlm.ops.linear import KERNEL as BF16_KERNEL
 from hybridlm.ops.linear import FusedLinear, Linear, kernel_rows
@@ -272,7 +272,7 @@ def _mlp_op(mlp: GatedMLP, watch: list) -> Op:
 
     def ffn(x: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up(x)
-        return down(elementwise_rows(act, gate) * up)
+        return down(gated_rows(act, gate, up))
 
     return ffn
 

@@ -16,7 +16,7 @@ from hybridlm.batch import Batch, Packed
 from hybridlm.cache import KVCache, RecurrentCache, SlidingKVCache
 from hybridlm.ops.attention import attention, attention_packed
 from hybridlm.ops.conv import causal_conv1d, causal_conv1d_packed
-from hybridlm.ops.elementwise import elementwise_rows
+from hybridlm.ops.elementwise import elementwise_rows, gated_rows
 from hybridlm.ops.gated_delta import FUSED_MAX_LEN, gated_delta_net_scan, gated_delta_net_scan_packed
 from hybridlm.ops.linear import Linear
 from hybridlm.ops.native import FEW_TOKENS
@@ -214,7 +214,7 @@ class GatedMLP(nn.Module):
             gate, up = self.gate_up(x)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(elementwise_rows(self.act, gate) * up)
+        return self.down_proj(gated_rows(self.act, gate, up))
 
 
 class GatedDeltaNet(nn.Module):

@@ -21,27 +21,30 @@ choices).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 from torch import nn
 
 from hybridlm.models.checkpoint import CheckpointError, take
-from hybridlm.models.layers import ACTIVATIONS
-from hybridlm.ops.elementwise import elementwise_rows
+from hybridlm.models.layers import ACTIVATIONS, GatedMLP
+from hybridlm.ops.elementwise import elementwise_rows, gated_rows
 from hybridlm.ops.linear import Linear, linear, linear_grouped, rowwise_applies
 from hybridlm.ops.moe import (
     BF16_EXPERTS_KERNEL,
     EXPERTS_KERNEL,
     INT4_EXPERTS_KERNEL,
     KERNEL_ACTIVATIONS,
+    ROUTE_KERNEL,
     Pairs,
     bf16_experts,
     combine,
     integer_experts,
     quantized_experts,
+    route_rows,
 )
 from hybridlm.ops.native import FEW_TOKENS
-from hybridlm.ops.quant import INT4_GROUP, QuantLinear, grouped_quantized
+from hybridlm.ops.quant import INT4_GROUP, QuantLinear, grouped_quantized, one_kind
 from hybridlm.ops.quant_gemm import integer_int4_decode, prompt_rows_on
 
 SOFTMAX, SIGMOID = "softmax", "sigmoid"
@@ -96,14 +99,14 @@ def dispatch(
     return combine(ys, weights, w_at, tokens, x.shape[0])
 
 
-def kernel_decode_rows(x: torch.Tensor, weights: torch.Tensor) -> bool:
-    """Whether x [N, d]'s rows are decode rows an experts kernel takes: bf16 on the CPU, few (or any
+def kernel_decode_rows(x: torch.Tensor, weights_dtype: torch.dtype = torch.float32) -> bool:
+    """Whether x [N, d]'s rows are decode rows the MoE kernels take: bf16 on the CPU, few (or any
     number inside `rowwise`), outside `prompt_rows` and torch.compile, routing weights float32 or bf16
     (`ops.moe.Pairs`)."""
     return (
         x.dtype is torch.bfloat16
         and x.is_cpu
-        and weights.dtype in (torch.float32, torch.bfloat16)
+        and weights_dtype in (torch.float32, torch.bfloat16)
         and (x.shape[0] <= FEW_TOKENS or rowwise_applies(x))
         and not prompt_rows_on()
         and not torch.compiler.is_compiling()
@@ -139,7 +142,56 @@ def activated(act, gated: bool, y: torch.Tensor) -> torch.Tensor:
     if not gated:
         return elementwise_rows(act, y)
     gate, up = y.chunk(2, dim=-1)
-    return elementwise_rows(act, gate) * up
+    return gated_rows(act, gate, up)
+
+
+def join_shared(
+    index: torch.Tensor, weights: torch.Tensor, scale: torch.Tensor | None, shared_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every token's choices [N, k] with the shared expert as one more, `shared_id` (past the routed
+    experts', so `dispatch` orders it last), weighted by scale [N, 1] (its sigmoid gate, in the weights'
+    dtype) or 1 -> index, weights [N, k + 1]."""
+    n = index.shape[0]
+    extra = weights.new_ones((n, 1)) if scale is None else scale
+    return torch.cat([index, index.new_full((n, 1), shared_id)], 1), torch.cat([weights, extra], 1)
+
+
+def joined_dispatch(experts: nn.Module, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
+                    shared: GatedMLP) -> torch.Tensor:
+    """`dispatch` of routed experts whose choices hold the shared expert `shared` as expert
+    `experts.num_experts` (`join_shared`), on rows `experts.joins`: one experts call computes it with
+    the chosen experts and adds it into each token's row after their sum is rounded (`Pairs.late`), the
+    bits of `shared` computed apart and added by torch. Where the call does not apply after all, each
+    runs on its own, the shared expert by its module."""
+    shared_id = experts.num_experts
+
+    def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
+        return shared(rows) if e == shared_id else experts.expert(e, rows)
+
+    def fused(es: list[int], xs: list[torch.Tensor], pairs: Pairs) -> torch.Tensor | None:
+        return experts.fused(es, xs, pairs, shared)
+
+    return dispatch(x.contiguous(), index, weights, expert, None, fused)
+
+
+def _joinable(experts: nn.Module, mlp: nn.Module) -> bool:
+    """A `GatedMLP` with a fused gate / up product, of gated experts' activation."""
+    return type(mlp) is GatedMLP and experts.gated and mlp.act is experts.act and mlp.gate_up is not None
+
+
+def _bf16_row(layer: nn.Module) -> torch.Tensor | None:
+    """A bf16 CPU `Linear`'s weight [1, d] (contiguous, no bias): a gate row the router kernel reads."""
+    if not isinstance(layer, nn.Linear):  # a QuantLinear is not one
+        return None
+    weight = layer._parameters["weight"]
+    ok = weight.dtype is torch.bfloat16 and weight.is_cpu and weight.is_contiguous() and layer.bias is None
+    return weight if ok and not weight.requires_grad else None
+
+
+def _layers_of(mlp: GatedMLP) -> tuple[nn.Module, nn.Module]:
+    """A fused `GatedMLP`'s gate / up layer (gate rows then up rows, an expert's first product) and down
+    layer."""
+    return mlp.gate_up._modules["proj"], mlp._modules["down_proj"]
 
 
 class Experts(nn.Module):
@@ -156,16 +208,44 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
         self.act = ACTIVATIONS[act]
 
-    def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, shared: GatedMLP | None = None
+    ) -> torch.Tensor:
         """x [N, d], index / weights [N, k] -> [N, d] (see `dispatch`). Each expert runs as one matmul
         per projection over its tokens on a view of its weights (`ops.linear.linear`, so few-token
         bf16 calls take the decode kernel); decode rows of bf16 experts whose activation the experts
-        kernel computes take one call of it for every chosen expert (`ops.moe.bf16_experts`)."""
-        if self._fuses(x, weights):
+        kernel computes take one call of it for every chosen expert (`ops.moe.bf16_experts`). `shared`:
+        a shared expert that `joins` these rows, chosen as expert `num_experts` (`join_shared`)."""
+        if shared is not None:
+            return joined_dispatch(self, x, index, weights, shared)
+        if self._fuses(x, weights.dtype):
             return dispatch(x.contiguous(), index, weights, self.expert, self.grouped, self.fused)
         return dispatch(x, index, weights, self.expert, self.grouped)
 
-    def _fuses(self, x: torch.Tensor, weights: torch.Tensor) -> bool:
+    def joins(self, mlp: nn.Module, x: torch.Tensor, weights_dtype: torch.dtype) -> bool:
+        """Whether shared expert `mlp` runs as one more expert in the experts kernel's call on x's rows:
+        they are rows the call takes (`_fuses`), and `mlp` is a `GatedMLP` of this stack's activation
+        whose fused gate / up product and down product have one expert's bf16 layout, without bias."""
+        if not _joinable(self, mlp):
+            return False
+        proj, out = _layers_of(mlp)
+        if isinstance(proj, QuantLinear) or isinstance(out, QuantLinear):
+            return False
+        first, down = self._parameters[self.first], self._parameters["down_proj"]
+        p, o = proj._parameters, out._parameters
+        w1, w2 = p["weight"], o["weight"]
+        return (
+            p.get("bias") is None
+            and o.get("bias") is None
+            and w1.dtype is w2.dtype is torch.bfloat16
+            and w1.shape == first.shape[1:]
+            and w2.shape == down.shape[1:]
+            and w1.is_contiguous()
+            and w2.is_contiguous()
+            and self._fuses(x, weights_dtype)
+        )
+
+    def _fuses(self, x: torch.Tensor, weights_dtype: torch.dtype) -> bool:
         """Whether x's rows are decode rows the experts kernel computes: few (or inside `rowwise`),
         outside `prompt_rows`, bf16 on the CPU with contiguous bf16 weights, routing weights float32 or
         bf16, outside autograd and torch.compile."""
@@ -173,7 +253,7 @@ class Experts(nn.Module):
         grad = torch.is_grad_enabled()
         return (
             (self.act_name, self.gated) in KERNEL_ACTIVATIONS
-            and kernel_decode_rows(x, weights)
+            and kernel_decode_rows(x, weights_dtype)
             and first.dtype is torch.bfloat16
             and first.is_cpu
             and first.is_contiguous()
@@ -182,10 +262,17 @@ class Experts(nn.Module):
             and BF16_EXPERTS_KERNEL.get() is not None
         )
 
-    def fused(self, es: list[int], xs: list[torch.Tensor], pairs: Pairs) -> torch.Tensor:
-        """Experts es[i] on rows xs[i] combined by `pairs`, by the experts kernel: [pairs.n, d]."""
+    def fused(
+        self, es: list[int], xs: list[torch.Tensor], pairs: Pairs, shared: GatedMLP | None = None
+    ) -> torch.Tensor:
+        """Experts es[i] on rows xs[i] combined by `pairs`, by the experts kernel: [pairs.n, d]; with
+        `shared`, the last of es is the shared expert (added late: `Pairs.late`)."""
         first, down = self._parameters[self.first], self._parameters["down_proj"]
-        return bf16_experts(first, down, es, xs, self.gated, pairs)
+        if shared is None:
+            return bf16_experts(first, down, es, xs, self.gated, pairs)
+        proj, out = _layers_of(shared)
+        extra = (proj._parameters["weight"], out._parameters["weight"])
+        return bf16_experts(first, down, es, xs, self.gated, replace(pairs, late=xs[-1].shape[0]), extra)
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert e on rows x [n, d] -> [n, d]."""
@@ -240,19 +327,34 @@ class QuantExperts(nn.Module):
         down = [quantized(experts.down_proj[e]) for e in range(experts.num_experts)]
         return cls(firsts, down, experts.act_name, experts.gated)
 
-    def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x [N, d], index / weights [N, k] -> [N, d] (see `dispatch`)."""
-        if self._fuses(x, weights):
+    def forward(
+        self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, shared: GatedMLP | None = None
+    ) -> torch.Tensor:
+        """x [N, d], index / weights [N, k] -> [N, d] (see `dispatch`); `shared` as `Experts.forward`."""
+        if shared is not None:
+            return joined_dispatch(self, x, index, weights, shared)
+        if self._fuses(x, weights.dtype):
             return dispatch(x.contiguous(), index, weights, self.expert, self.grouped, self.fused)
         return dispatch(x, index, weights, self.expert, self.grouped)
 
-    def _fuses(self, x: torch.Tensor, weights: torch.Tensor) -> bool:
+    def joins(self, mlp: nn.Module, x: torch.Tensor, weights_dtype: torch.dtype) -> bool:
+        """`Experts.joins` for quantized experts: the shared expert's fused gate / up and down layers are
+        of the kind of the experts' own (`ops.quant.one_kind`)."""
+        if not _joinable(self, mlp):
+            return False
+        proj, out = _layers_of(mlp)
+        if not (isinstance(proj, QuantLinear) and isinstance(out, QuantLinear)):
+            return False
+        first, down = self._modules[self.first]._modules["0"], self.down_proj._modules["0"]
+        return one_kind([first, proj]) and one_kind([down, out]) and self._fuses(x, weights_dtype)
+
+    def _fuses(self, x: torch.Tensor, weights_dtype: torch.dtype) -> bool:
         """Whether x's rows are decode rows the experts kernel computes: few (or inside `rowwise`), bf16
         on the CPU, routing weights float32 or bf16, outside `prompt_rows`, on a CPU whose int4 decode
         rows take the kernel's tiles (float, or integer with `integer_experts`)."""
         return (
             (self.act_name, self.gated) in KERNEL_ACTIVATIONS
-            and kernel_decode_rows(x, weights)
+            and kernel_decode_rows(x, weights_dtype)
             and self.down_proj[0]._buffers["qweight"].is_cpu
             and (INT4_EXPERTS_KERNEL if self._integer() else EXPERTS_KERNEL).get() is not None
         )
@@ -261,13 +363,20 @@ class QuantExperts(nn.Module):
         """Whether this CPU's int4 decode rows take the integer tiles (`integer_int4_decode`)."""
         return self.int4 and integer_int4_decode()
 
-    def fused(self, es: list[int], xs: list[torch.Tensor], pairs: Pairs) -> torch.Tensor | None:
+    def fused(
+        self, es: list[int], xs: list[torch.Tensor], pairs: Pairs, shared: GatedMLP | None = None
+    ) -> torch.Tensor | None:
         """Experts es[i] on rows xs[i] combined by `pairs`, by the experts kernel: [pairs.n, d] (None:
-        the chosen experts' layers differ in kind, see `quantized_experts` / `integer_experts`)."""
+        the chosen experts' layers differ in kind, see `quantized_experts` / `integer_experts`); with
+        `shared`, the last of es is the shared expert (added late: `Pairs.late`)."""
         first, down = self._modules[self.first]._modules, self.down_proj._modules
-        keys = [str(e) for e in es]
+        keys = [str(e) for e in (es if shared is None else es[:-1])]
+        firsts, downs = [first[k] for k in keys], [down[k] for k in keys]
+        if shared is not None:
+            proj, out = _layers_of(shared)
+            firsts, downs, pairs = [*firsts, proj], [*downs, out], replace(pairs, late=xs[-1].shape[0])
         experts = integer_experts if self._integer() else quantized_experts
-        return experts([first[k] for k in keys], [down[k] for k in keys], xs, self.gated, pairs)
+        return experts(firsts, downs, xs, self.gated, pairs)
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert e on rows x [n, d] -> [n, d]."""
@@ -403,6 +512,33 @@ class Router(nn.Module):
         """x [N, d] -> (routing weights [N, k] float32, expert ids [N, k])."""
         return self.route(self.logits(x))
 
+    def routes_rows(self, x: torch.Tensor) -> bool:
+        """Whether the router kernel computes this router on x's rows (`route_rows`): decode rows
+        (`kernel_decode_rows`), bf16 logits of a bf16 weight, one group, outside autograd."""
+        weight, bias = self._parameters["weight"], self.e_score_correction_bias
+        return (
+            kernel_decode_rows(x)
+            and not self.float32_logits
+            and self.n_group == 1
+            and weight.dtype is torch.bfloat16
+            and weight.is_contiguous()
+            and (bias is None or (bias.dtype is torch.float32 and bias.is_contiguous() and bias.is_cpu))
+            and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))
+            and ROUTE_KERNEL.get() is not None
+        )
+
+    def route_rows(
+        self, x: torch.Tensor, gate: torch.Tensor | None, scale: torch.Tensor | None, shared_id: int,
+        dtype: torch.dtype,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """`route` of this router's logits on rows `routes_rows` takes, by one kernel call
+        (`ops.moe.route_rows`: with the shared expert joined where `shared_id` >= 0, and its gate's scale
+        from the gate row or as given) -> (weights in `dtype`, expert ids, scale)."""
+        return route_rows(
+            x.contiguous(), self._parameters["weight"], self.top_k, self.scoring == SIGMOID, self.normalize,
+            self.e_score_correction_bias, self.scaling, self.eps, gate, scale, shared_id, dtype,
+        )
+
     def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This router's rule over its logits [N, E] -> (routing weights [N, k] float32, expert ids)."""
         if self.scoring == SOFTMAX:
@@ -453,16 +589,40 @@ class SparseMoE(nn.Module):
         modules, or a decode plan's direct kernel calls; None where the block has none)."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
+        dtype = x.dtype if self.weights_in_activation_dtype else torch.float32
+        mlp = None if shared is None else getattr(self, self.shared_name)
+        # scale · y rounds to bf16 in torch; the kernels round a product so only with bf16 weights
+        join = (
+            mlp is not None
+            and (shared_gate is None or dtype is torch.bfloat16)
+            and self.experts.joins(mlp, x, dtype)
+        )
+        weights, index, scale = self._route(x, logits, shared_gate, join, dtype)
+        if mlp is None or join:
+            return self.experts.forward(x, index, weights, mlp if join else None).view(shape)
+        y = shared(x)
+        return (self.experts.forward(x, index, weights) + (y if scale is None else scale * y)).view(shape)
+
+    def _route(
+        self, x: torch.Tensor, logits, shared_gate, join: bool, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """x [N, d]'s routing weights [N, k] in `dtype` and expert ids, with the shared expert as one more
+        choice where it `join`s (`join_shared`), and the shared expert's gate scale [N, 1] (None without
+        a gate): by one router kernel call on decode rows (`Router.routes_rows`), else torch's ops."""
+        shared_id = self.experts.num_experts if join else -1
+        gate_row = None if shared_gate is None else _bf16_row(self.shared_expert_gate)
+        scale = None
+        if shared_gate is not None and gate_row is None:  # a quantized gate: its own kernel
+            scale = elementwise_rows(torch.sigmoid, shared_gate(x))
+        if self.gate.routes_rows(x):
+            return self.gate.route_rows(x, gate_row, scale, shared_id, dtype)
         weights, index = self.gate.route(logits(x))
-        if self.weights_in_activation_dtype:
-            weights = weights.to(x.dtype)
-        out = self.experts.forward(x, index, weights)
-        if shared is not None:
-            y = shared(x)
-            if shared_gate is not None:
-                y = elementwise_rows(torch.sigmoid, shared_gate(x)) * y
-            out = out + y
-        return out.view(shape)
+        weights = weights.to(dtype)
+        if shared_gate is not None and scale is None:
+            scale = elementwise_rows(torch.sigmoid, shared_gate(x))
+        if join:
+            index, weights = join_shared(index, weights, scale, shared_id)
+        return weights, index, scale
 
 
 def stack_experts(

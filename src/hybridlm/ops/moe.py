@@ -18,7 +18,7 @@ import torch
 from hybridlm.ops.native import NativeKernel, int64_array
 from hybridlm.ops.quant import QuantLinear, addresses, one_kind
 
-_p, _i64, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_p, _i64, _int, _float = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 
 
 class _Projection(ctypes.Structure):
@@ -30,19 +30,25 @@ class _Projection(ctypes.Structure):
 
 EXPERTS_KERNEL = NativeKernel(
     "quant", "quant.c", "hybridlm_moe_experts",
-    [_p, _p, _i64, _Projection, _Projection, _int, _p, _int, _p, _p, _p, _i64, _i64, _i64, _int], _int,
+    [_p, _p, _i64, _Projection, _Projection, _int, _p, _int, _p, _p, _i64, _p, _i64, _i64, _i64, _int], _int,
     fallback="the experts' products one projection at a time",
 )
 INT4_EXPERTS_KERNEL = NativeKernel(
     "quant_prefill", "quant_prefill.c", "hybridlm_moe_experts_int4",
-    [_p, _p, _i64, _p, _p, _i64, _p, _p, _i64, _int, _int, _p, _int, _p, _p, _p, _i64, _i64, _i64, _int],
+    [_p, _p, _i64, _p, _p, _i64, _p, _p, _i64, _int, _int, _p, _int, _p, _p, _i64, _p, _i64, _i64, _i64,
+     _int],
     _int,
     fallback="the experts' integer products one projection at a time",
 )
 BF16_EXPERTS_KERNEL = NativeKernel(
     "linear_bf16", "linear.c", "hybridlm_moe_experts_bf16",
-    [_p, _p, _i64, _p, _p, _int, _p, _int, _p, _p, _p, _i64, _i64, _i64, _int], _int,
+    [_p, _p, _i64, _p, _p, _int, _p, _int, _p, _p, _i64, _p, _i64, _i64, _i64, _int], _int,
     fallback="the experts' products one projection at a time",
+)
+ROUTE_KERNEL = NativeKernel(
+    "linear_bf16", "linear.c", "hybridlm_moe_route",
+    [_p, _i64, _i64, _p, _i64, _p, _int, _p, _int, _int, _float, _float, _i64, _int, _p, _p, _p], _int,
+    fallback="torch's routing ops",
 )
 # The activations the experts kernels compute, with whether the expert is gated (its first product holds
 # gate rows then up rows).
@@ -58,19 +64,23 @@ COMBINE_KERNEL = NativeKernel(
 class Pairs:
     """How a call's expert rows combine into its tokens' rows (`models.moe.dispatch`): pair p (row p of
     the experts' stacked outputs) is token `tokens[p]`'s product with the expert its routing weight
-    `weights.flatten()[w_at[p]]` belongs to; weights [N, k] float32 or bf16, `n` tokens."""
+    `weights.flatten()[w_at[p]]` belongs to; weights [N, k] float32 or bf16, `n` tokens. The last `late`
+    pairs (a shared expert joined to the call) are added after the others' sum is rounded, as torch adds
+    an output computed apart (combine.h)."""
 
     weights: torch.Tensor
     w_at: list[int] | torch.Tensor
     tokens: list[int] | torch.Tensor
     n: int
+    late: int = 0
 
     def arguments(self) -> tuple[tuple, tuple]:
         """The kernels' arguments (the weights' address, whether they are bf16, w_at and tokens as C
-        arrays or addresses), and what must stay alive until the call returns."""
+        arrays or addresses, `late`), and what must stay alive until the call returns."""
         weights, w_at, tokens = self.weights.contiguous(), _int64(self.w_at), _int64(self.tokens)
         bf16 = int(weights.dtype is torch.bfloat16)
-        return (weights.data_ptr(), bf16, _address(w_at), _address(tokens)), (weights, w_at, tokens)
+        arguments = (weights.data_ptr(), bf16, _address(w_at), _address(tokens), self.late)
+        return arguments, (weights, w_at, tokens)
 
 
 def quantized_experts(
@@ -131,12 +141,14 @@ def integer_experts(
 
 
 def bf16_experts(
-    first: torch.Tensor, down: torch.Tensor, es: list[int], xs: list[torch.Tensor], gated: bool, pairs: Pairs
+    first: torch.Tensor, down: torch.Tensor, es: list[int], xs: list[torch.Tensor], gated: bool, pairs: Pairs,
+    shared: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """`quantized_experts` with bf16 weights: experts es[i] of the stacks first [E, 2·I or I, d] and down
     [E, d, I] (CPU, contiguous) on rows xs[i] [M_i, d] bf16 (contiguous), combined by `pairs` ->
     [pairs.n, d] by one `BF16_EXPERTS_KERNEL` call (callers check it is built); each product with the
-    bits of `ops.linear.linear`'s decode kernel on those rows."""
+    bits of `ops.linear.linear`'s decode kernel on those rows. `shared`: the first and down weights
+    ([2·I or I, d], [d, I], contiguous) of the expert es names E (a shared expert)."""
     rows = [x.shape[0] for x in xs]
     d, inter = first.shape[2], down.shape[2]
     out = xs[0].new_empty((pairs.n, d))
@@ -144,6 +156,10 @@ def bf16_experts(
     first_at, first_step = first.data_ptr(), first.stride(0) * first.element_size()
     down_at, down_step = down.data_ptr(), down.stride(0) * down.element_size()
     firsts, downs = [first_at + e * first_step for e in es], [down_at + e * down_step for e in es]
+    if shared is not None:
+        at = [i for i, e in enumerate(es) if e == first.shape[0]]
+        for i in at:
+            firsts[i], downs[i] = shared[0].data_ptr(), shared[1].data_ptr()
     combining, _alive = pairs.arguments()
     BF16_EXPERTS_KERNEL.get()(
         int64_array([x.data_ptr() for x in xs]), int64_array(rows), len(xs), int64_array(firsts),
@@ -151,6 +167,36 @@ def bf16_experts(
         torch.get_num_threads(),
     )
     return out
+
+
+def route_rows(
+    x: torch.Tensor, router: torch.Tensor, k: int, sigmoid: bool, normalize: bool, bias: torch.Tensor | None,
+    scaling: float, eps: float, gate: torch.Tensor | None, scale: torch.Tensor | None, shared_id: int,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A router on decode rows x [M, d] bf16 by one `ROUTE_KERNEL` call (callers check it is built; x,
+    router [E, d] bf16 and bias [E] float32 contiguous CPU tensors): `softmax_topk`, or (`sigmoid`)
+    `sigmoid_topk` with one group, on the logits the decode kernel gives, each row alone, exp by the
+    kernels' `exp_fast`. With `shared_id` >= 0 each row gets one more choice, the shared expert, weighted
+    by its gate's scale (or 1 without a gate; `models.moe.join_shared`). The scale [M, 1] bf16 is
+    computed from the gate row [1, d] (bf16: sigmoid of its decode-kernel logit, rounded to bf16), or
+    taken as given (a quantized gate's, computed by the caller), or None without a gate. Returns
+    (weights [M, k or k + 1] in `dtype` (float32 or bf16), expert ids, scale)."""
+    m, d = x.shape
+    width = k + 1 if shared_id >= 0 else k
+    weights = torch.empty(m, width, dtype=dtype)
+    index = torch.empty(m, width, dtype=torch.int64)
+    if gate is not None:
+        scale = torch.empty(m, 1, dtype=torch.bfloat16)
+    elif scale is not None:
+        scale = scale.contiguous()
+    ROUTE_KERNEL.get()(
+        x.data_ptr(), m, d, router.data_ptr(), router.shape[0], None if gate is None else gate.data_ptr(),
+        int(sigmoid), None if bias is None else bias.data_ptr(), k, int(normalize), scaling, eps, shared_id,
+        int(dtype is torch.bfloat16), weights.data_ptr(), index.data_ptr(),
+        None if scale is None else scale.data_ptr(),
+    )
+    return weights, index, scale
 
 
 def combine_reference(ys: torch.Tensor, weights: torch.Tensor, w_at, tokens, n: int) -> torch.Tensor:
@@ -172,7 +218,7 @@ def combine(ys: torch.Tensor, weights: torch.Tensor, w_at, tokens, n: int) -> to
         return combine_reference(ys, weights, w_at, tokens, n)
     ys = ys.contiguous()
     out = ys.new_empty((n, ys.shape[1]))
-    (weights_at, bf16, w_at, tokens), _alive = Pairs(weights, w_at, tokens, n).arguments()
+    (weights_at, bf16, w_at, tokens, _), _alive = Pairs(weights, w_at, tokens, n).arguments()
     fn(ys.data_ptr(), weights_at, bf16, w_at, tokens, ys.shape[0], out.data_ptr(), n, ys.shape[1],
        torch.get_num_threads())
     return out

@@ -81,7 +81,7 @@ int main(void) {
     float ones[23]; /* each pair its own token, weight 1: the combined rows are the pairs' outputs */
     int64_t each[23];
     own_pairs(ones, each, 23);
-    if (hybridlm_moe_experts(xs, ms, 3, first, down, 0, ones, 0, each, each, ys, 23, D, I, 2)) return 2;
+    if (hybridlm_moe_experts(xs, ms, 3, first, down, 0, ones, 0, each, each, 0, ys, 23, D, I, 2)) return 2;
     for (int64_t p = 0, row = 0; p < 3; row += ms[p], p++) {
         if (hybridlm_linear_int4(xs[p], ms[p], (const uint8_t*)packed, panel_scales, 0, NULL, y, I, D, G, 1)) return 2;
         relu2_bf16(y, ms[p] * I, h);

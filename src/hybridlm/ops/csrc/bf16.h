@@ -48,14 +48,18 @@ static inline float exp_fast(float x) {
     memcpy(&scale, &bits, 4);
     return y * scale;
 }
+/* silu(g) rounded to bf16, times u, rounded to bf16: torch's bf16 silu and multiply, with exp_fast. */
+static inline __attribute__((always_inline)) float silu_times(float g, float u) {
+    return round_to(round_to(g / (1.f + exp_fast(-g)), 1) * u, 1);
+}
 /* Element j < I of an expert's hidden row from its first product y (bf16): gated, y = gate ‖ up [2·I]
-   and the hidden value is silu(gate) rounded to bf16, times up, rounded to bf16 (torch's bf16 silu and
-   multiply); not gated, y [I] and it is relu(y)² rounded to bf16 (Nemotron-H's relu² experts). The
-   experts kernels of quant.c and linear.c, so a hidden row has the same bits in both. */
+   and the hidden value is silu_times(gate, up); not gated, y [I] and it is relu(y)² rounded to bf16
+   (Nemotron-H's relu² experts). The experts kernels of quant.c, quant_prefill.c and linear.c, so a
+   hidden row has the same bits in each, and moe.c's gated MLP rows. */
 static inline __attribute__((always_inline)) float expert_hidden(const uint16_t* y, int64_t I, int64_t j,
                                                                  int gated) {
     const float g = bf16_to_f32(y[j]);
-    if (gated) return round_to(round_to(g / (1.f + exp_fast(-g)), 1) * bf16_to_f32(y[I + j]), 1);
+    if (gated) return silu_times(g, bf16_to_f32(y[I + j]));
     const float r = g > 0.f ? g : 0.f;
     return round_to(r * r, 1);
 }

@@ -227,8 +227,8 @@ int hybridlm_linear_bf16_grouped(const uint16_t* const* xs, const int64_t* ms, c
    whatever else the call holds. Returns 0 or -1 (out of memory). */
 int hybridlm_moe_experts_bf16(const uint16_t* const* xs, const int64_t* ms, int64_t P, const uint16_t* const* w1,
                               const uint16_t* const* w2, int gated, const void* w, int w_bf16,
-                              const int64_t* w_at, const int64_t* tokens, uint16_t* out, int64_t n, int64_t D,
-                              int64_t I, int nthreads) {
+                              const int64_t* w_at, const int64_t* tokens, int64_t late, uint16_t* out, int64_t n,
+                              int64_t D, int64_t I, int nthreads) {
     const int64_t N1 = gated ? 2 * I : I, blocks1 = (N1 + RB - 1) / RB, blocks2 = (D + RB - 1) / RB;
     int64_t before[P + 1]; /* expert p's first row */
     before[0] = 0;
@@ -266,9 +266,80 @@ int hybridlm_moe_experts_bf16(const uint16_t* const* xs, const int64_t* ms, int6
         }
         #pragma omp for schedule(static)
         for (int64_t c0 = 0; c0 < D; c0 += COMBINE_COLUMNS)
-            combine_columns(ys, w, w_bf16, w_at, tokens, rows, acc, out, n, D, c0,
+            combine_columns(ys, w, w_bf16, w_at, tokens, rows, late, acc, out, n, D, c0,
                             c0 + COMBINE_COLUMNS < D ? c0 + COMBINE_COLUMNS : D);
     }
     free(y1), free(h), free(ys), free(acc), free(xf), free(hf);
+    return 0;
+}
+
+/* The k largest of rank [E] (chosen [k], largest first, a tie to the lower index). */
+static void top_k(const float* rank, int64_t E, int k, int64_t* chosen) {
+    for (int j = 0; j < k; j++) {
+        int64_t best = -1;
+        for (int64_t e = 0; e < E; e++) {
+            int taken = 0;
+            for (int i = 0; i < j; i++) taken |= chosen[i] == e;
+            if (!taken && (best < 0 || rank[e] > rank[best])) best = e;
+        }
+        chosen[j] = best;
+    }
+}
+
+/* A router's decode rows in one call (models.moe.Router on few rows): the logits x [M, D] · router [E, D]ᵀ
+   by hybridlm_linear_bf16's row blocks (its bits, rounded to bf16), then per row either softmax in float32
+   and the top k probabilities, renormalised to sum to 1 when `normalize` (softmax_topk), or (`sigmoid`)
+   sigmoid scores, the top k of scores + bias[E] (float32, or NULL), their unbiased scores divided by their
+   sum + eps when `normalize`, times `scaling` (sigmoid_topk with one group). The exp is exp_fast. Writes
+   index [M, width] int64 and weights [M, width] (bf16 when w_bf16, else float32), width = k, or k + 1 when
+   shared_id >= 0: a shared expert as one more choice (id shared_id), weighted by its gate's scale, or 1
+   without a gate. gate [D] or NULL: the shared expert's gate row; scale [M] bf16 then receives
+   sigmoid(x · gate), the logit rounded to bf16 as the linear kernel rounds it and the sigmoid rounded to
+   bf16 (torch's bf16 sigmoid, with exp_fast); without a gate row, scale is the caller's (a quantized
+   gate's) or NULL (no gate). Each row is computed alone. Returns 0 or -1 (out of memory). */
+int hybridlm_moe_route(const uint16_t* x, int64_t M, int64_t D, const uint16_t* router, int64_t E,
+                       const uint16_t* gate, int sigmoid, const float* bias, int k, int normalize, float scaling,
+                       float eps, int64_t shared_id, int w_bf16, void* weights, int64_t* index, uint16_t* scale) {
+    uint16_t* logits = malloc((size_t)(M * E + M) * 2);
+    float* xf = X_AS_F32 ? malloc((size_t)(M * D) * sizeof(float)) : NULL;
+    if (!logits || (X_AS_F32 && !xf)) {
+        free(logits), free(xf);
+        return -1;
+    }
+    if (X_AS_F32) to_f32(x, M, D, xf);
+    for (int64_t n0 = 0; n0 < E; n0 += RB) row_block(x, xf, M, router, NULL, logits, E, D, n0);
+    uint16_t* gate_logits = logits + M * E;
+    if (gate) row_block(x, xf, M, gate, NULL, gate_logits, 1, D, 0);
+    const int64_t width = shared_id >= 0 ? k + 1 : k;
+    for (int64_t m = 0; m < M; m++) {
+        float score[E], rank[E];
+        const uint16_t* l = logits + m * E;
+        if (sigmoid) {
+            for (int64_t e = 0; e < E; e++) {
+                score[e] = 1.f / (1.f + exp_fast(-bf16_to_f32(l[e])));
+                rank[e] = bias ? score[e] + bias[e] : score[e];
+            }
+        } else {
+            float top = bf16_to_f32(l[0]), sum = 0.f;
+            for (int64_t e = 1; e < E; e++) top = bf16_to_f32(l[e]) > top ? bf16_to_f32(l[e]) : top;
+            for (int64_t e = 0; e < E; e++) sum += score[e] = exp_fast(bf16_to_f32(l[e]) - top);
+            for (int64_t e = 0; e < E; e++) rank[e] = score[e] = score[e] / sum;
+        }
+        int64_t* chosen = index + m * width;
+        top_k(rank, E, k, chosen);
+        float w[k + 1], total = 0.f;
+        for (int j = 0; j < k; j++) total += w[j] = score[chosen[j]];
+        for (int j = 0; j < k; j++) {
+            if (normalize) w[j] = sigmoid ? w[j] / (total + eps) : w[j] / total;
+            w[j] *= scaling;
+        }
+        if (gate) scale[m] = f32_to_bf16(1.f / (1.f + exp_fast(-bf16_to_f32(gate_logits[m]))));
+        if (shared_id >= 0) {
+            chosen[k] = shared_id;
+            w[k] = scale ? bf16_to_f32(scale[m]) : 1.f;
+        }
+        for (int64_t j = 0; j < width; j++) store(weights, m * width + j, w[j], w_bf16);
+    }
+    free(logits), free(xf);
     return 0;
 }

@@ -483,12 +483,13 @@ typedef struct {
    p's first product over its rows xs[p] [ms[p], D] (first.q[p] [N1, D]: gate rows then up rows when
    gated, N1 = 2·I, else up rows, N1 = I), the activation expert_hidden (bf16.h), its down product
    (down.q[p] [D, I]), then the pairs' outputs (expert p's rows after expert p - 1's) added into their
-   tokens' rows of out [n, D] bf16 with their routing weights (combine.h: w, w_bf16, w_at, tokens).
+   tokens' rows of out [n, D] bf16 with their routing weights (combine.h: w, w_bf16, w_at, tokens, late).
    Each product is computed by the units of the linear kernels, so a row has the bits of its own calls
    whatever else the call holds. Returns 0 or -1 (out of memory). */
 int hybridlm_moe_experts(const uint16_t* const* xs, const int64_t* ms, int64_t P, projection first,
                          projection down, int gated, const void* w, int w_bf16, const int64_t* w_at,
-                         const int64_t* tokens, uint16_t* out, int64_t n, int64_t D, int64_t I, int nthreads) {
+                         const int64_t* tokens, int64_t late, uint16_t* out, int64_t n, int64_t D, int64_t I,
+                         int nthreads) {
     const int64_t N1 = gated ? 2 * I : I;
     int64_t xf_at[P], rows_before[P + 1], start1[P + 1], start2[P + 1];
     float* xf = inputs_f32(xs, ms, P, D, xf_at);
@@ -527,7 +528,7 @@ int hybridlm_moe_experts(const uint16_t* const* xs, const int64_t* ms, int64_t P
         }
         #pragma omp for schedule(static)
         for (int64_t c0 = 0; c0 < D; c0 += COMBINE_COLUMNS)
-            combine_columns(ys, w, w_bf16, w_at, tokens, rows, acc, out, n, D, c0,
+            combine_columns(ys, w, w_bf16, w_at, tokens, rows, late, acc, out, n, D, c0,
                             c0 + COMBINE_COLUMNS < D ? c0 + COMBINE_COLUMNS : D);
     }
     free(xf), free(y1), free(ys), free(hf), free(acc);

@@ -661,14 +661,14 @@ int hybridlm_prefill_int4_bf16(const uint16_t* x, int64_t M, const uint8_t* q, c
    then up rows when gated, N1 = 2·I, else up rows, N1 = I), the activation expert_hidden (bf16.h), the
    hidden row quantized per group of G2, its down product (q2[p] [D, I], scales s2[p]), then the pairs'
    outputs (expert p's rows after expert p - 1's) added into their tokens' rows of out [n, D] bf16 with
-   their routing weights (combine.h: w, w_bf16, w_at, tokens). Each product is computed by the units of
-   hybridlm_prefill_int4, so a row has the bits of its own calls whatever else the call holds. Returns 0
+   their routing weights (combine.h: w, w_bf16, w_at, tokens, late). Each product is computed by the units
+   of hybridlm_prefill_int4, so a row has the bits of its own calls whatever else the call holds. Returns 0
    or -1 (out of memory). */
 int hybridlm_moe_experts_int4(const uint16_t* const* xs, const int64_t* ms, int64_t P, const uint8_t* const* q1,
                               const uint16_t* const* s1, int64_t G1, const uint8_t* const* q2,
                               const uint16_t* const* s2, int64_t G2, int fp16, int gated, const void* w,
-                              int w_bf16, const int64_t* w_at, const int64_t* tokens, uint16_t* out, int64_t n,
-                              int64_t D, int64_t I, int nthreads) {
+                              int w_bf16, const int64_t* w_at, const int64_t* tokens, int64_t late,
+                              uint16_t* out, int64_t n, int64_t D, int64_t I, int nthreads) {
     const int64_t N1 = gated ? 2 * I : I, g1 = D / G1, g2 = I / G2;
     int64_t rows = 0;
     for (int64_t p = 0; p < P; p++) rows += ms[p];
@@ -722,7 +722,7 @@ int hybridlm_moe_experts_int4(const uint16_t* const* xs, const int64_t* ms, int6
         }
         #pragma omp for schedule(static)
         for (int64_t c0 = 0; c0 < D; c0 += COMBINE_COLUMNS)
-            combine_columns(ys, w, w_bf16, w_at, tokens, rows, acc, out, n, D, c0,
+            combine_columns(ys, w, w_bf16, w_at, tokens, rows, late, acc, out, n, D, c0,
                             c0 + COMBINE_COLUMNS < D ? c0 + COMBINE_COLUMNS : D);
     }
     status = 0;
@@ -760,10 +760,10 @@ int hybridlm_prefill_int4_bf16(const uint16_t* x, int64_t M, const uint8_t* q, c
 int hybridlm_moe_experts_int4(const uint16_t* const* xs, const int64_t* ms, int64_t P, const uint8_t* const* q1,
                               const uint16_t* const* s1, int64_t G1, const uint8_t* const* q2,
                               const uint16_t* const* s2, int64_t G2, int fp16, int gated, const void* w,
-                              int w_bf16, const int64_t* w_at, const int64_t* tokens, uint16_t* out, int64_t n,
-                              int64_t D, int64_t I, int nthreads) {
+                              int w_bf16, const int64_t* w_at, const int64_t* tokens, int64_t late,
+                              uint16_t* out, int64_t n, int64_t D, int64_t I, int nthreads) {
     (void)xs; (void)ms; (void)P; (void)q1; (void)s1; (void)G1; (void)q2; (void)s2; (void)G2; (void)fp16;
-    (void)gated; (void)w; (void)w_bf16; (void)w_at; (void)tokens; (void)out; (void)n; (void)D; (void)I;
+    (void)gated; (void)w; (void)w_bf16; (void)w_at; (void)tokens; (void)late; (void)out; (void)n; (void)D; (void)I;
     (void)nthreads;
     return -1;
 }
