@@ -21,7 +21,6 @@ choices).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
 
 import torch
 from torch import nn
@@ -174,18 +173,26 @@ def joined_dispatch(experts: nn.Module, x: torch.Tensor, index: torch.Tensor, we
     return dispatch(x.contiguous(), index, weights, expert, None, fused)
 
 
+def joined_pairs(pairs: Pairs, xs: list[torch.Tensor]) -> Pairs:
+    """`pairs` with the last product's (the joined shared expert's, on every token) added late."""
+    return Pairs(pairs.weights, pairs.w_at, pairs.tokens, pairs.n, xs[-1].shape[0])
+
+
 def _joinable(experts: nn.Module, mlp: nn.Module) -> bool:
     """A `GatedMLP` with a fused gate / up product, of gated experts' activation."""
     return type(mlp) is GatedMLP and experts.gated and mlp.act is experts.act and mlp.gate_up is not None
 
 
 def _bf16_row(layer: nn.Module) -> torch.Tensor | None:
-    """A bf16 CPU `Linear`'s weight [1, d] (contiguous, no bias): a gate row the router kernel reads."""
+    """A bf16 CPU `Linear`'s weight [1, d] (contiguous, no bias, outside autograd): a gate row the router
+    kernel reads."""
     if not isinstance(layer, nn.Linear):  # a QuantLinear is not one
         return None
-    weight = layer._parameters["weight"]
-    ok = weight.dtype is torch.bfloat16 and weight.is_cpu and weight.is_contiguous() and layer.bias is None
-    return weight if ok and not weight.requires_grad else None
+    params = layer._parameters
+    weight = params["weight"]
+    ok = weight.dtype is torch.bfloat16 and weight.is_cpu and weight.is_contiguous()
+    ok = ok and params["bias"] is None and not (torch.is_grad_enabled() and weight.requires_grad)
+    return weight if ok else None
 
 
 def _layers_of(mlp: GatedMLP) -> tuple[nn.Module, nn.Module]:
@@ -272,7 +279,7 @@ class Experts(nn.Module):
             return bf16_experts(first, down, es, xs, self.gated, pairs)
         proj, out = _layers_of(shared)
         extra = (proj._parameters["weight"], out._parameters["weight"])
-        return bf16_experts(first, down, es, xs, self.gated, replace(pairs, late=xs[-1].shape[0]), extra)
+        return bf16_experts(first, down, es, xs, self.gated, joined_pairs(pairs, xs), extra)
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert e on rows x [n, d] -> [n, d]."""
@@ -374,7 +381,7 @@ class QuantExperts(nn.Module):
         firsts, downs = [first[k] for k in keys], [down[k] for k in keys]
         if shared is not None:
             proj, out = _layers_of(shared)
-            firsts, downs, pairs = [*firsts, proj], [*downs, out], replace(pairs, late=xs[-1].shape[0])
+            firsts, downs, pairs = [*firsts, proj], [*downs, out], joined_pairs(pairs, xs)
         experts = integer_experts if self._integer() else quantized_experts
         return experts(firsts, downs, xs, self.gated, pairs)
 

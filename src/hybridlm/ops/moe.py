@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from hybridlm.ops.native import NativeKernel, int64_array
-from hybridlm.ops.quant import QuantLinear, addresses, one_kind
+from hybridlm.ops.quant import QuantLinear, kind_addresses
 
 _p, _i64, _int, _float = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 
@@ -94,12 +94,12 @@ def quantized_experts(
     none with a bias. Each product has the bits of its layer's decode kernel on those rows; the
     activation rounds where torch's bf16 ops round, its exp by the kernels' `exp_fast`; the sum is
     `combine`'s."""
-    if not (one_kind(first) and one_kind(down)):
+    arrays = [kind_addresses(layers) for layers in (first, down)]  # alive until the call returns
+    if None in arrays:
         return None
     rows = [x.shape[0] for x in xs]
     d, inter = first[0].in_features, down[0].in_features
     out = xs[0].new_empty((pairs.n, d))
-    arrays = [addresses(layers) for layers in (first, down)]  # alive until the call returns
     projections = [
         _Projection(
             layers[0].bits, int(layers[0]._buffers["scales"].dtype is torch.float16), layers[0].group_size,
@@ -123,14 +123,17 @@ def integer_experts(
     row, quantized per group as a prompt row's are, so every product has the bits of its layer's
     integer kernel on those rows. None unless every first and down layer is int4 of one kind, without
     bias, their scales of one dtype."""
-    if not (one_kind(first) and one_kind(down)) or first[0].bits != 4 or down[0].bits != 4:
+    if first[0].bits != 4 or down[0].bits != 4:
         return None
     fp16 = first[0]._buffers["scales"].dtype is torch.float16
     if (down[0]._buffers["scales"].dtype is torch.float16) is not fp16:
         return None
+    arrays = kind_addresses(first), kind_addresses(down)
+    if None in arrays:
+        return None
+    (q1, s1), (q2, s2) = arrays
     d, inter = first[0].in_features, down[0].in_features
     out = xs[0].new_empty((pairs.n, d))
-    (q1, s1), (q2, s2) = addresses(first), addresses(down)
     combining, _alive = pairs.arguments()
     INT4_EXPERTS_KERNEL.get()(
         int64_array([x.data_ptr() for x in xs]), int64_array([x.shape[0] for x in xs]), len(xs),

@@ -392,25 +392,34 @@ def quantize_(
     return module
 
 
-def addresses(layers: list[QuantLinear]) -> tuple[ctypes.Array, ctypes.Array]:
-    """The layers' weight and scale addresses as C arrays (what the grouped kernels take per product)."""
-    buffers = [layer._buffers for layer in layers]
-    q = int64_array([b["qweight"].data_ptr() for b in buffers])
-    return q, int64_array([b["scales"].data_ptr() for b in buffers])
+def kind_addresses(layers: list[QuantLinear]) -> tuple[ctypes.Array, ctypes.Array] | None:
+    """The layers' weight and scale addresses as C arrays (what the grouped kernels take per product),
+    where they are of one kind and shape (bits, group size, weight shape, scales' dtype, on the CPU)
+    without bias, as a grouped call of them needs; else None. One pass over ``_buffers``: it runs on
+    every MoE layer of a decode step, where ``nn.Module.__getattr__`` would cost a microsecond a name."""
+    first = layers[0]
+    q0, s0 = first._buffers["qweight"], first._buffers["scales"]
+    bits, group, shape, scale_dtype = first.bits, first.group_size, q0.shape, s0.dtype
+    qs, ss = [], []
+    for layer in layers:
+        q, scales = layer._buffers["qweight"], layer._buffers["scales"]
+        if (
+            layer.bits != bits
+            or layer.group_size != group
+            or q.shape != shape
+            or scales.dtype is not scale_dtype
+            or not q.is_cpu
+            or layer._parameters.get("bias") is not None
+        ):
+            return None
+        qs.append(q.data_ptr())
+        ss.append(scales.data_ptr())
+    return int64_array(qs), int64_array(ss)
 
 
 def one_kind(layers: list[QuantLinear]) -> bool:
-    """Whether the layers are of one kind and shape, without bias: what a grouped call of them needs."""
-    kind = _kind(layers[0])
-    return kind[-1] and all(_kind(q) == kind for q in layers[1:])
-
-
-def _kind(layer: QuantLinear) -> tuple:
-    """What layers must share to be computed in one grouped call (read from ``_buffers``: the check runs
-    twice a MoE layer in decode, where ``nn.Module.__getattr__`` would cost a microsecond a name)."""
-    q, scales = layer._buffers["qweight"], layer._buffers["scales"]
-    no_bias = layer._parameters.get("bias") is None
-    return layer.bits, layer.group_size, q.shape, q.device, scales.dtype, no_bias
+    """Whether the layers are of one kind and shape, without bias (`kind_addresses`)."""
+    return kind_addresses(layers) is not None
 
 
 def grouped_quantized(layers: list[QuantLinear], xs: list[torch.Tensor]) -> torch.Tensor | None:
@@ -420,8 +429,8 @@ def grouped_quantized(layers: list[QuantLinear], xs: list[torch.Tensor]) -> torc
     path of `QuantLinear.forward`: the decode kernels (few bf16 rows), or int4's integer kernel
     (prompt rows, or int4 decode rows on a CPU whose integer kernel is the faster); else None
     (callers run them one by one)."""
-    first = layers[0]
-    if not one_kind(layers) or any(x.dim() != 2 for x in xs):
+    first, arrays = layers[0], kind_addresses(layers)
+    if arrays is None or any(x.dim() != 2 for x in xs):
         return None
     # Every layer is of the first's kind, so the first answers for each which path x takes.
     if prompt_rows_on() or first._decodes_in_integers():
@@ -440,7 +449,7 @@ def grouped_quantized(layers: list[QuantLinear], xs: list[torch.Tensor]) -> torc
     rows = [x.shape[0] for x in xs]
     y = xs[0].new_empty((sum(rows), first.out_features))
     xp, yp, mp = int64_array([x.data_ptr() for x in xs]), row_pointers(y, rows), int64_array(rows)
-    qp, sp = addresses(layers)
+    qp, sp = arrays
     n, k, threads = first.out_features, first.in_features, torch.get_num_threads()
     if first.bits == 8:
         status = fn(xp, mp, qp, sp, None, yp, len(xs), n, k, threads)
