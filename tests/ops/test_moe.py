@@ -370,25 +370,40 @@ needs_route_kernel = pytest.mark.skipif(
     moe.ROUTE_KERNEL.get() is None, reason="linear kernel could not be built"
 )
 
-# (sigmoid, normalize, with a selection bias, scaling, eps): Qwen's, unnormalised softmax, LFM2-MoE's, raw
+# (sigmoid, normalize, with a selection bias, scaling, eps, float32 logits, groups, best groups): Qwen's,
+# unnormalised softmax, LFM2-MoE's, raw sigmoid, Kimi's (float32 logits), Ling's (and 4 of 8 groups)
 ROUTERS = {
-    "softmax": (False, True, False, 1.0, 0.0),
-    "softmax-raw": (False, False, False, 1.0, 0.0),
-    "sigmoid-bias": (True, True, True, 2.5, 1e-6),
-    "sigmoid-raw": (True, False, False, 1.0, 0.0),
+    "softmax": (False, True, False, 1.0, 0.0, False, 1, 1),
+    "softmax-raw": (False, False, False, 1.0, 0.0, False, 1, 1),
+    "sigmoid-bias": (True, True, True, 2.5, 1e-6, False, 1, 1),
+    "sigmoid-raw": (True, False, False, 1.0, 0.0, False, 1, 1),
+    "sigmoid-float32": (True, True, True, 2.4, 1e-20, True, 1, 1),
+    "sigmoid-groups": (True, True, True, 2.5, 1e-20, True, 8, 4),
 }
 
 
-def assert_routes_by_the_rule(logits, index, weights, sigmoid, normalize, bias, scaling, eps) -> None:
-    """Each row's k choices are a top k of its ranking (ties either way) in float64, and their weights the
-    rule's (scores of the chosen, normalised, scaled) within float32 exp's error."""
+def assert_routes_by_the_rule(logits, index, weights, sigmoid, normalize, bias, scaling, eps, groups=(1, 1)):
+    """Each row's k choices are a top k of its ranking in float64 (ties, and float32's rounding of the
+    logits, either way), among the best groups where there are groups, and their weights the rule's
+    (scores of the chosen, normalised, scaled) within float32's error."""
     logits = logits.double()
     scores = torch.sigmoid(logits) if sigmoid else torch.softmax(logits, dim=-1)
     rank = scores + (0 if bias is None else bias.double())
+    n_group, best = groups
+    slack = 1e-5
     for r in range(logits.shape[0]):
         chosen = index[r].tolist()
-        unchosen = [e for e in range(logits.shape[1]) if e not in chosen]
-        assert len(set(chosen)) == len(chosen) and rank[r, chosen].min() >= rank[r, unchosen].max()
+        allowed = set(range(logits.shape[1]))
+        if n_group > 1:
+            size = logits.shape[1] // n_group
+            rating = rank[r].view(n_group, size).topk(2).values.sum(-1)
+            kept = set(rating.topk(best).indices.tolist())
+            close = rating >= rating.topk(best).values[-1] - slack  # groups a rounding could keep
+            assert {e // size for e in chosen} <= {g for g in range(n_group) if close[g]}
+            allowed = {e for e in allowed if e // size in kept or close[e // size]}
+        unchosen = [e for e in allowed if e not in chosen]
+        assert len(set(chosen)) == len(chosen)
+        assert rank[r, chosen].min() >= rank[r, unchosen].max() - slack
         want = scores[r, chosen]
         if normalize:
             want = want / (want.sum() + (eps if sigmoid else 0.0))
@@ -399,22 +414,26 @@ def assert_routes_by_the_rule(logits, index, weights, sigmoid, normalize, bias, 
 @pytest.mark.parametrize("rule", ROUTERS)
 @pytest.mark.parametrize("tokens", [1, FEW_TOKENS, 23])
 def test_router_kernel_picks_the_rules_experts_with_their_weights(isa, rule, tokens):
-    """37 experts, top 3, on the logits the decode kernel gives: the rule's experts and weights in float64,
-    each row as alone; with the shared expert joined, one more choice weighted by its gate's scale,
-    sigmoid of the gate row's logit within bf16 rounding."""
-    sigmoid, normalize, biased, scaling, eps = ROUTERS[rule]
+    """40 experts, top 3, on the logits the decode kernel gives (or float32 ones): the rule's experts and
+    weights in float64, each row as alone; with the shared expert joined, one more choice weighted by its
+    gate's scale, sigmoid of the gate row's logit within bf16 rounding."""
+    sigmoid, normalize, biased, scaling, eps, logits32, n_group, best = ROUTERS[rule]
     gen = torch.Generator().manual_seed(tokens)
-    router = (torch.randn(37, 96, generator=gen) / 4).bfloat16()
+    router = (torch.randn(40, 96, generator=gen) / 4).bfloat16()
     gate = (torch.randn(1, 96, generator=gen) / 4).bfloat16()
-    bias = torch.randn(37, generator=gen) / 10 if biased else None
+    bias = torch.randn(40, generator=gen) / 10 if biased else None
     x = rows_of([tokens], 96, seed=tokens)[0]
-    settings = (3, sigmoid, normalize, bias, scaling, eps, gate, None, 37, torch.float32)
+    settings = (3, sigmoid, normalize, bias, scaling, eps, gate, None, 40, torch.float32, logits32, n_group,
+                best)
     with rowwise():
-        logits, gate_logits = linear(x, router), linear(x, gate)
+        logits = x.double() @ router.double().T if logits32 else linear(x, router)
+        gate_logits = linear(x, gate)
         weights, index, scale = moe.route_rows(x, router, *settings)
         alone = [moe.route_rows(row, router, *settings) for row in x.split(1)]
-    assert_routes_by_the_rule(logits, index[:, :3], weights[:, :3], sigmoid, normalize, bias, scaling, eps)
-    assert (index[:, 3] == 37).all() and torch.equal(weights[:, 3:], scale.float())
+    assert_routes_by_the_rule(
+        logits, index[:, :3], weights[:, :3], sigmoid, normalize, bias, scaling, eps, (n_group, best)
+    )
+    assert (index[:, 3] == 40).all() and torch.equal(weights[:, 3:], scale.float())
     sigmoid_gate = torch.sigmoid(gate_logits.double())
     assert ((scale.double() - sigmoid_gate).abs() <= sigmoid_gate * 2**-8).all()
     for t, (w, i, s) in enumerate(alone):

@@ -521,12 +521,10 @@ class Router(nn.Module):
 
     def routes_rows(self, x: torch.Tensor) -> bool:
         """Whether the router kernel computes this router on x's rows (`route_rows`): decode rows
-        (`kernel_decode_rows`), bf16 logits of a bf16 weight, one group, outside autograd."""
+        (`kernel_decode_rows`) of a bf16 weight, outside autograd."""
         weight, bias = self._parameters["weight"], self.e_score_correction_bias
         return (
             kernel_decode_rows(x)
-            and not self.float32_logits
-            and self.n_group == 1
             and weight.dtype is torch.bfloat16
             and weight.is_contiguous()
             and (bias is None or (bias.dtype is torch.float32 and bias.is_contiguous() and bias.is_cpu))
@@ -544,6 +542,7 @@ class Router(nn.Module):
         return route_rows(
             x.contiguous(), self._parameters["weight"], self.top_k, self.scoring == SIGMOID, self.normalize,
             self.e_score_correction_bias, self.scaling, self.eps, gate, scale, shared_id, dtype,
+            self.float32_logits, self.n_group, self.topk_group,
         )
 
     def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

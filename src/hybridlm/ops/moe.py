@@ -47,7 +47,9 @@ BF16_EXPERTS_KERNEL = NativeKernel(
 )
 ROUTE_KERNEL = NativeKernel(
     "linear_bf16", "linear.c", "hybridlm_moe_route",
-    [_p, _i64, _i64, _p, _i64, _p, _int, _p, _int, _int, _float, _float, _i64, _int, _p, _p, _p], _int,
+    [_p, _i64, _i64, _p, _i64, _int, _p, _int, _p, _int, _int, _int, _int, _float, _float, _i64, _int, _p, _p,
+     _p],
+    _int,
     fallback="torch's routing ops",
 )
 # The activations the experts kernels compute, with whether the expert is gated (its first product holds
@@ -175,16 +177,18 @@ def bf16_experts(
 def route_rows(
     x: torch.Tensor, router: torch.Tensor, k: int, sigmoid: bool, normalize: bool, bias: torch.Tensor | None,
     scaling: float, eps: float, gate: torch.Tensor | None, scale: torch.Tensor | None, shared_id: int,
-    dtype: torch.dtype,
+    dtype: torch.dtype, float32_logits: bool = False, n_group: int = 1, topk_group: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """A router on decode rows x [M, d] bf16 by one `ROUTE_KERNEL` call (callers check it is built; x,
     router [E, d] bf16 and bias [E] float32 contiguous CPU tensors): `softmax_topk`, or (`sigmoid`)
-    `sigmoid_topk` with one group, on the logits the decode kernel gives, each row alone, exp by the
-    kernels' `exp_fast`. With `shared_id` >= 0 each row gets one more choice, the shared expert, weighted
-    by its gate's scale (or 1 without a gate; `models.moe.join_shared`). The scale [M, 1] bf16 is
-    computed from the gate row [1, d] (bf16: sigmoid of its decode-kernel logit, rounded to bf16), or
-    taken as given (a quantized gate's, computed by the caller), or None without a gate. Returns
-    (weights [M, k or k + 1] in `dtype` (float32 or bf16), expert ids, scale)."""
+    `sigmoid_topk` (with `n_group` groups of which the `topk_group` best compete), on the logits the decode
+    kernel gives, or on float32 logits (`float32_logits`: 16-lane float32 dot products of the bf16
+    values), each row alone, exp by the kernels' `exp_fast`. With `shared_id` >= 0 each row gets one more
+    choice, the shared expert, weighted by its gate's scale (or 1 without a gate;
+    `models.moe.join_shared`). The scale [M, 1] bf16 is computed from the gate row [1, d] (bf16: sigmoid
+    of its decode-kernel logit, rounded to bf16), or taken as given (a quantized gate's, computed by the
+    caller), or None without a gate. Returns (weights [M, k or k + 1] in `dtype` (float32 or bf16),
+    expert ids, scale)."""
     m, d = x.shape
     width = k + 1 if shared_id >= 0 else k
     weights = torch.empty(m, width, dtype=dtype)
@@ -194,10 +198,10 @@ def route_rows(
     elif scale is not None:
         scale = scale.contiguous()
     ROUTE_KERNEL.get()(
-        x.data_ptr(), m, d, router.data_ptr(), router.shape[0], None if gate is None else gate.data_ptr(),
-        int(sigmoid), None if bias is None else bias.data_ptr(), k, int(normalize), scaling, eps, shared_id,
-        int(dtype is torch.bfloat16), weights.data_ptr(), index.data_ptr(),
-        None if scale is None else scale.data_ptr(),
+        x.data_ptr(), m, d, router.data_ptr(), router.shape[0], int(float32_logits),
+        None if gate is None else gate.data_ptr(), int(sigmoid), None if bias is None else bias.data_ptr(),
+        n_group, topk_group, k, int(normalize), scaling, eps, shared_id, int(dtype is torch.bfloat16),
+        weights.data_ptr(), index.data_ptr(), None if scale is None else scale.data_ptr(),
     )
     return weights, index, scale
 

@@ -65,12 +65,12 @@ int main(void) {
     /* router: w's 77 rows as the router, top 3, softmax, renormalised */
     int64_t index[M * 3], one_index[3];
     float weights[M * 3], one_weights[3];
-    if (hybridlm_moe_route(x, M, K, w, N, NULL, 0, NULL, 3, 1, 1.f, 0.f, -1, 0, weights, index, NULL)) return 2;
+    if (hybridlm_moe_route(x, M, K, w, N, 0, NULL, 0, NULL, 1, 1, 3, 1, 1.f, 0.f, -1, 0, weights, index, NULL)) return 2;
     if (hybridlm_linear_bf16(x, M, w, NULL, y, N, K, 1)) return 2;
     for (int64_t m = 0; m < M; m++) {
         expect_routes(y + m * N, N, 3, index + m * 3, weights + m * 3);
-        if (hybridlm_moe_route(x + m * K, 1, K, w, N, NULL, 0, NULL, 3, 1, 1.f, 0.f, -1, 0, one_weights, one_index,
-                               NULL)) return 2;
+        if (hybridlm_moe_route(x + m * K, 1, K, w, N, 0, NULL, 0, NULL, 1, 1, 3, 1, 1.f, 0.f, -1, 0, one_weights,
+                               one_index, NULL)) return 2;
         if (memcmp(one_index, index + m * 3, sizeof one_index) || memcmp(one_weights, weights + m * 3, sizeof one_weights))
             if (failures++ < 5) fprintf(stderr, "route: row %lld differs alone\n", (long long)m);
     }

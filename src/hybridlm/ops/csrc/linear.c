@@ -7,6 +7,7 @@
    split into its even then odd elements, so the inner loop needs no shuffles. */
 #include "bf16.h"
 #include "combine.h"
+#include <math.h>
 #include <stdlib.h>
 #define PREFETCH_BYTES 16384
 /* 64-byte vectors passed between static functions without AVX-512 (two 32-byte halves): GCC warns
@@ -286,20 +287,57 @@ static void top_k(const float* rank, int64_t E, int k, int64_t* chosen) {
     }
 }
 
-/* A router's decode rows in one call (models.moe.Router on few rows): the logits x [M, D] · router [E, D]ᵀ
-   by hybridlm_linear_bf16's row blocks (its bits, rounded to bf16), then per row either softmax in float32
-   and the top k probabilities, renormalised to sum to 1 when `normalize` (softmax_topk), or (`sigmoid`)
-   sigmoid scores, the top k of scores + bias[E] (float32, or NULL), their unbiased scores divided by their
-   sum + eps when `normalize`, times `scaling` (sigmoid_topk with one group). The exp is exp_fast. Writes
-   index [M, width] int64 and weights [M, width] (bf16 when w_bf16, else float32), width = k, or k + 1 when
-   shared_id >= 0: a shared expert as one more choice (id shared_id), weighted by its gate's scale, or 1
-   without a gate. gate [D] or NULL: the shared expert's gate row; scale [M] bf16 then receives
-   sigmoid(x · gate), the logit rounded to bf16 as the linear kernel rounds it and the sigmoid rounded to
-   bf16 (torch's bf16 sigmoid, with exp_fast); without a gate row, scale is the caller's (a quantized
-   gate's) or NULL (no gate). Each row is computed alone. Returns 0 or -1 (out of memory). */
-int hybridlm_moe_route(const uint16_t* x, int64_t M, int64_t D, const uint16_t* router, int64_t E,
-                       const uint16_t* gate, int sigmoid, const float* bias, int k, int normalize, float scaling,
-                       float eps, int64_t shared_id, int w_bf16, void* weights, int64_t* index, uint16_t* scale) {
+/* x · w over D bf16 values in float32: 16 lane sums added in a fixed tree, then the tail; the loop
+   vectorizes and the sum depends only on the values (a float32-logit router's logits). */
+static float dot_f32(const uint16_t* x, const uint16_t* w, int64_t D) {
+    float part[16] = {0.f};
+    int64_t i = 0;
+    for (; i + 16 <= D; i += 16)
+        for (int l = 0; l < 16; l++) part[l] += bf16_to_f32(x[i + l]) * bf16_to_f32(w[i + l]);
+    for (int s = 8; s >= 1; s /= 2)
+        for (int l = 0; l < s; l++) part[l] += part[l + s];
+    float sum = part[0];
+    for (; i < D; i++) sum += bf16_to_f32(x[i]) * bf16_to_f32(w[i]);
+    return sum;
+}
+
+/* Group-limited selection: rank [E] in n_group consecutive groups, each rated by the sum of its two
+   best ranks; the experts outside the topk_group best groups are ranked -inf. */
+static void keep_groups(float* rank, int64_t E, int n_group, int topk_group) {
+    const int64_t size = E / n_group;
+    float rating[n_group];
+    for (int g = 0; g < n_group; g++) {
+        int64_t two[2];
+        top_k(rank + g * size, size, 2, two);
+        rating[g] = rank[g * size + two[0]] + rank[g * size + two[1]];
+    }
+    int64_t keep[topk_group];
+    top_k(rating, n_group, topk_group, keep);
+    for (int g = 0; g < n_group; g++) {
+        int kept = 0;
+        for (int i = 0; i < topk_group; i++) kept |= keep[i] == g;
+        if (!kept)
+            for (int64_t e = g * size; e < (g + 1) * size; e++) rank[e] = -INFINITY;
+    }
+}
+
+/* A router's decode rows in one call (models.moe.Router on few rows): the logits x [M, D] · router [E, D]ᵀ,
+   by hybridlm_linear_bf16's row blocks (its bits, rounded to bf16), or in float32 where `logits32` (the
+   16-lane dot_f32); then per row either softmax in float32 and the top k probabilities, renormalised to
+   sum to 1 when `normalize` (softmax_topk), or (`sigmoid`) sigmoid scores, the top k of scores + bias[E]
+   (float32, or NULL) within the topk_group best of n_group groups (keep_groups; one group: all), their
+   unbiased scores divided by their sum + eps when `normalize`, times `scaling` (sigmoid_topk). The exp
+   is exp_fast. Writes index [M, width] int64 and weights [M, width] (bf16 when w_bf16, else float32),
+   width = k, or k + 1 when shared_id >= 0: a shared expert as one more choice (id shared_id), weighted by
+   its gate's scale, or 1 without a gate. gate [D] or NULL: the shared expert's gate row; scale [M] bf16
+   then receives sigmoid(x · gate), the logit rounded to bf16 as the linear kernel rounds it and the
+   sigmoid rounded to bf16 (torch's bf16 sigmoid, with exp_fast); without a gate row, scale is the
+   caller's (a quantized gate's) or NULL (no gate). Each row is computed alone. Returns 0 or -1 (out of
+   memory). */
+int hybridlm_moe_route(const uint16_t* x, int64_t M, int64_t D, const uint16_t* router, int64_t E, int logits32,
+                       const uint16_t* gate, int sigmoid, const float* bias, int n_group, int topk_group, int k,
+                       int normalize, float scaling, float eps, int64_t shared_id, int w_bf16, void* weights,
+                       int64_t* index, uint16_t* scale) {
     uint16_t* logits = malloc((size_t)(M * E + M) * 2);
     float* xf = X_AS_F32 ? malloc((size_t)(M * D) * sizeof(float)) : NULL;
     if (!logits || (X_AS_F32 && !xf)) {
@@ -307,22 +345,25 @@ int hybridlm_moe_route(const uint16_t* x, int64_t M, int64_t D, const uint16_t* 
         return -1;
     }
     if (X_AS_F32) to_f32(x, M, D, xf);
-    for (int64_t n0 = 0; n0 < E; n0 += RB) row_block(x, xf, M, router, NULL, logits, E, D, n0);
+    if (!logits32)
+        for (int64_t n0 = 0; n0 < E; n0 += RB) row_block(x, xf, M, router, NULL, logits, E, D, n0);
     uint16_t* gate_logits = logits + M * E;
     if (gate) row_block(x, xf, M, gate, NULL, gate_logits, 1, D, 0);
     const int64_t width = shared_id >= 0 ? k + 1 : k;
     for (int64_t m = 0; m < M; m++) {
-        float score[E], rank[E];
-        const uint16_t* l = logits + m * E;
+        float l[E], score[E], rank[E];
+        for (int64_t e = 0; e < E; e++)
+            l[e] = logits32 ? dot_f32(x + m * D, router + e * D, D) : bf16_to_f32(logits[m * E + e]);
         if (sigmoid) {
             for (int64_t e = 0; e < E; e++) {
-                score[e] = 1.f / (1.f + exp_fast(-bf16_to_f32(l[e])));
+                score[e] = 1.f / (1.f + exp_fast(-l[e]));
                 rank[e] = bias ? score[e] + bias[e] : score[e];
             }
+            if (n_group > 1) keep_groups(rank, E, n_group, topk_group);
         } else {
-            float top = bf16_to_f32(l[0]), sum = 0.f;
-            for (int64_t e = 1; e < E; e++) top = bf16_to_f32(l[e]) > top ? bf16_to_f32(l[e]) : top;
-            for (int64_t e = 0; e < E; e++) sum += score[e] = exp_fast(bf16_to_f32(l[e]) - top);
+            float top = l[0], sum = 0.f;
+            for (int64_t e = 1; e < E; e++) top = l[e] > top ? l[e] : top;
+            for (int64_t e = 0; e < E; e++) sum += score[e] = exp_fast(l[e] - top);
             for (int64_t e = 0; e < E; e++) rank[e] = score[e] = score[e] / sum;
         }
         int64_t* chosen = index + m * width;
