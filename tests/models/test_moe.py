@@ -524,3 +524,31 @@ def test_a_shared_expert_in_the_experts_call_has_the_bits_it_has_computed_apart(
         want = block(x)
     assert joined[0] is block.shared_expert and joined[-1] is None
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("tokens", [1, FEW_TOKENS])
+def test_granites_decode_rows_route_by_its_rule_in_the_router_kernel(checkpoints, monkeypatch, tokens):
+    """Granite's softmax of its top-k logits is the top k of the softmax renormalised: decode rows through
+    the router call give the experts and weights its torch rule gives (weights within bf16 rounding)."""
+    import hybridlm.models.granitemoehybrid as granite
+
+    model = load_model(checkpoints("granitemoehybrid_moe").path, torch.bfloat16, "cpu")
+    block = next(m for m in model.modules() if isinstance(m, granite.SoftmaxTopKMoE))
+    x = torch.randn(tokens, block.router.in_features, generator=torch.Generator().manual_seed(3)).bfloat16()
+    seen = []
+    forward = block.experts.forward
+
+    def spied(rows, index, weights, *rest):
+        seen.append((index.sort(dim=-1), weights))
+        return forward(rows, index, weights, *rest)
+
+    block.experts.forward = spied
+    with torch.no_grad():
+        assert granite.routes_in_kernel(x, block.router.weight)
+        block(x)
+        monkeypatch.setattr(granite, "routes_in_kernel", lambda *args: False)
+        block(x)
+    ((got_ids, got_at), got_w), ((want_ids, want_at), want_w) = seen
+    assert torch.equal(got_ids, want_ids)
+    got_w, want_w = got_w.gather(1, got_at).float(), want_w.gather(1, want_at).float()
+    torch.testing.assert_close(got_w, want_w, rtol=2**-7, atol=0)

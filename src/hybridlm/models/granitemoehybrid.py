@@ -22,8 +22,9 @@ from hybridlm.batch import Batch
 from hybridlm.models.base import CausalLM, Config, register, renamed
 from hybridlm.models.layers import Attention, DecoderLayer, GatedMLP
 from hybridlm.models.mamba2 import mamba2_mixer
-from hybridlm.models.moe import Experts
+from hybridlm.models.moe import Experts, routes_in_kernel
 from hybridlm.ops.linear import Linear
+from hybridlm.ops.moe import route_rows
 from hybridlm.ops.norms import RMSNorm
 from hybridlm.ops.rope import Rotary, inv_freq_from_params
 
@@ -41,7 +42,11 @@ MAMBA_KINDS = ("mamba", "linear_attention")
 
 class SoftmaxTopKMoE(nn.Module):
     """Granite's routed experts: the router's top-k logits (float32) softmaxed into weights in the
-    activation dtype; gated SwiGLU experts (`moe.Experts`: only the chosen ones run)."""
+    activation dtype (the top k of the softmax renormalised, as `moe.softmax_topk` computes it: decode
+    rows take the router kernel, `ops.moe.route_rows`); gated SwiGLU experts (`moe.Experts`: only the
+    chosen ones run). The router keeps the model's dtype when quantizing, as `moe.Router`s do."""
+
+    UNQUANTIZED = ("router",)
 
     def __init__(self, c: Config):
         super().__init__()
@@ -57,8 +62,13 @@ class SoftmaxTopKMoE(nn.Module):
     def run(self, parts: Mapping[str, Callable], x: torch.Tensor) -> torch.Tensor:
         """`forward` over `parts` (see `DecoderLayer.run`)."""
         flat = x.reshape(-1, x.shape[-1])
-        logits, index = parts["router"](flat).float().topk(self.top_k, dim=-1)
-        weights = logits.softmax(dim=-1).to(x.dtype)
+        weight = self.router._parameters.get("weight")
+        if isinstance(self.router, nn.Linear) and routes_in_kernel(flat, weight):
+            rule = (self.top_k, False, True, None, 1.0, 0.0)  # softmax, top k renormalised
+            weights, index, _ = route_rows(flat.contiguous(), weight, *rule, None, None, -1, x.dtype)
+        else:
+            logits, index = parts["router"](flat).float().topk(self.top_k, dim=-1)
+            weights = logits.softmax(dim=-1).to(x.dtype)
         return parts["experts"](flat, index, weights).view(x.shape)
 
 

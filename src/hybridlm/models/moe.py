@@ -464,6 +464,19 @@ def check_routing(num_experts: int, top_k: int, n_group: int = 1, topk_group: in
             )
 
 
+def routes_in_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Whether `ops.moe.route_rows` takes a router of `weight` [E, d] (and selection `bias`) on x's rows:
+    decode rows (`kernel_decode_rows`), a bf16 contiguous weight, a float32 bias, outside autograd."""
+    return (
+        kernel_decode_rows(x)
+        and weight.dtype is torch.bfloat16
+        and weight.is_contiguous()
+        and (bias is None or (bias.dtype is torch.float32 and bias.is_contiguous() and bias.is_cpu))
+        and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))
+        and ROUTE_KERNEL.get() is not None
+    )
+
+
 class Router(nn.Module):
     """A router's parameters (`weight` [E, d], the checkpoints' `gate.weight`; with `bias`, the
     selection bias buffer `e_score_correction_bias` [E], float32 in a model of any dtype) and its
@@ -520,17 +533,8 @@ class Router(nn.Module):
         return self.route(self.logits(x))
 
     def routes_rows(self, x: torch.Tensor) -> bool:
-        """Whether the router kernel computes this router on x's rows (`route_rows`): decode rows
-        (`kernel_decode_rows`) of a bf16 weight, outside autograd."""
-        weight, bias = self._parameters["weight"], self.e_score_correction_bias
-        return (
-            kernel_decode_rows(x)
-            and weight.dtype is torch.bfloat16
-            and weight.is_contiguous()
-            and (bias is None or (bias.dtype is torch.float32 and bias.is_contiguous() and bias.is_cpu))
-            and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))
-            and ROUTE_KERNEL.get() is not None
-        )
+        """Whether the router kernel computes this router on x's rows (`route_rows`, `routes_in_kernel`)."""
+        return routes_in_kernel(x, self._parameters["weight"], self.e_score_correction_bias)
 
     def route_rows(
         self, x: torch.Tensor, gate: torch.Tensor | None, scale: torch.Tensor | None, shared_id: int,
@@ -563,6 +567,8 @@ class SparseMoE(nn.Module):
     `weights_dtype`: the dtype the routing weights multiply the experts' outputs in: "float32"
     (DeepSeek-V3's kin, Gemma 4) or "activation" (Qwen, LFM2-MoE: transformers rounds them first).
     """
+
+    UNQUANTIZED = ("shared_expert_gate",)  # a [1, d] gate the router kernel computes: see models.quantized
 
     def __init__(
         self,

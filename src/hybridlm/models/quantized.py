@@ -59,7 +59,7 @@ from hybridlm.models.checkpoint import (
     weight_files,
 )
 from hybridlm.models.fused import unfused_state
-from hybridlm.models.moe import Experts, QuantExperts, SparseMoE
+from hybridlm.models.moe import Experts, QuantExperts
 from hybridlm.ops.quant import INT4_GROUP, QUANTIZATIONS, QuantLinear, quantize_
 
 __all__ = ["QUANT_METHOD", "is_quantized", "load_quantized", "quantize_model", "save_quantized"]
@@ -84,14 +84,16 @@ def _place_buffers(model: nn.Module) -> None:
                 setattr(layer, name, placed(t, t.device, t.dtype))
 
 
-def _gates_of(model: nn.Module) -> tuple[str, ...]:
-    """Module paths of the MoE blocks' shared-expert gates ([1, d] linears): like the routers they keep
-    the model's dtype, and the router kernel then computes them in the router's call
-    (`models.moe.SparseMoE`); quantizing one would save 1.5 KB a layer and cost a call."""
+def _kept_of(model: nn.Module) -> tuple[str, ...]:
+    """Module paths of the linears a block keeps in the model's dtype (its ``UNQUANTIZED`` names): MoE
+    routers and shared-expert gates, which make choices or scale a whole expert, and which the router
+    kernel computes in its call (`ops.moe.route_rows`); quantizing a [1, d] gate saved 1.5 KB a layer and
+    cost a call."""
     return tuple(
-        f"{path}.shared_expert_gate".lstrip(".")
+        f"{path}.{name}".lstrip(".")
         for path, module in model.named_modules()
-        if isinstance(module, SparseMoE) and module.shared_expert_gate is not None
+        for name in getattr(module, "UNQUANTIZED", ())
+        if isinstance(module._modules.get(name), nn.Linear)
     )
 
 
@@ -114,7 +116,7 @@ def quantize_model(model: CausalLM, scheme: str, group_size: int = INT4_GROUP) -
         raise ValueError(f"unknown quantization {scheme!r}; known: {', '.join(QUANTIZATIONS)}")
     if getattr(model, "quantization", None):
         raise ValueError(f"the model is already quantized ({model.quantization['scheme']})")
-    quantize_(model, scheme, group_size, skip=_gates_of(model))
+    quantize_(model, scheme, group_size, skip=_kept_of(model))
     for _, parent, attr, experts in _experts_of(model):
         setattr(parent, attr, QuantExperts.from_experts(experts, scheme, group_size))
     _place_buffers(model)
