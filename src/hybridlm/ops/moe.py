@@ -160,11 +160,9 @@ def bf16_experts(
     # an expert's weights by address: a view per expert would cost microseconds each
     first_at, first_step = first.data_ptr(), first.stride(0) * first.element_size()
     down_at, down_step = down.data_ptr(), down.stride(0) * down.element_size()
-    firsts, downs = [first_at + e * first_step for e in es], [down_at + e * down_step for e in es]
-    if shared is not None:
-        at = [i for i, e in enumerate(es) if e == first.shape[0]]
-        for i in at:
-            firsts[i], downs[i] = shared[0].data_ptr(), shared[1].data_ptr()
+    shared_id = first.shape[0] if shared is not None else -1
+    firsts = [shared[0].data_ptr() if e == shared_id else first_at + e * first_step for e in es]
+    downs = [shared[1].data_ptr() if e == shared_id else down_at + e * down_step for e in es]
     combining, _alive = pairs.arguments()
     BF16_EXPERTS_KERNEL.get()(
         int64_array([x.data_ptr() for x in xs]), int64_array(rows), len(xs), int64_array(firsts),

@@ -394,13 +394,21 @@ def quantize_(
 
 def kind_addresses(layers: list[QuantLinear]) -> tuple[ctypes.Array, ctypes.Array] | None:
     """The layers' weight and scale addresses as C arrays (what the grouped kernels take per product),
-    where they are of one kind and shape (bits, group size, weight shape, scales' dtype, on the CPU)
-    without bias, as a grouped call of them needs; else None. One pass over ``_buffers``: it runs on
-    every MoE layer of a decode step, where ``nn.Module.__getattr__`` would cost a microsecond a name."""
+    where they are of one kind (`one_kind`), as a grouped call of them needs; else None."""
+    if not one_kind(layers):
+        return None
+    buffers = [layer._buffers for layer in layers]
+    q = int64_array([b["qweight"].data_ptr() for b in buffers])
+    return q, int64_array([b["scales"].data_ptr() for b in buffers])
+
+
+def one_kind(layers: list[QuantLinear]) -> bool:
+    """Whether the layers are of one kind and shape (bits, group size, weight shape, scales' dtype, on
+    the CPU) without bias. Reads ``_buffers``: it runs on every MoE layer of a decode step, where
+    ``nn.Module.__getattr__`` would cost a microsecond a name."""
     first = layers[0]
-    q0, s0 = first._buffers["qweight"], first._buffers["scales"]
-    bits, group, shape, scale_dtype = first.bits, first.group_size, q0.shape, s0.dtype
-    qs, ss = [], []
+    bits, group, shape = first.bits, first.group_size, first._buffers["qweight"].shape
+    scale_dtype = first._buffers["scales"].dtype
     for layer in layers:
         q, scales = layer._buffers["qweight"], layer._buffers["scales"]
         if (
@@ -411,15 +419,8 @@ def kind_addresses(layers: list[QuantLinear]) -> tuple[ctypes.Array, ctypes.Arra
             or not q.is_cpu
             or layer._parameters.get("bias") is not None
         ):
-            return None
-        qs.append(q.data_ptr())
-        ss.append(scales.data_ptr())
-    return int64_array(qs), int64_array(ss)
-
-
-def one_kind(layers: list[QuantLinear]) -> bool:
-    """Whether the layers are of one kind and shape, without bias (`kind_addresses`)."""
-    return kind_addresses(layers) is not None
+            return False
+    return True
 
 
 def grouped_quantized(layers: list[QuantLinear], xs: list[torch.Tensor]) -> torch.Tensor | None:
