@@ -184,8 +184,11 @@ def fused(xbc, inputs, **kw):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_step_kernel_equals_the_float64_reference_on_every_isa(isa, dtype):
-    xbc, inputs = fused_inputs(2, 13, 6, 5, 2, 7, dtype=dtype, seed=7)
+@pytest.mark.parametrize("L, N", [(13, 7), (37, 163)])
+def test_step_kernel_equals_the_float64_reference_on_every_isa(isa, dtype, L, N):
+    """N = 163: state rows held in registers a segment at a time, the vectors after the last whole
+    segment and the scalar tail, at 8 and 16 lanes; L = 37: blocks of tokens reduced together."""
+    xbc, inputs = fused_inputs(2, L, 6, 5, 2, N, dtype=dtype, seed=7)
     y, state, _ = fused(xbc, inputs)
     ry, rs = reference(*inputs)
     rel = 5e-6 if dtype == torch.float32 else 1e-5
@@ -193,24 +196,26 @@ def test_step_kernel_equals_the_float64_reference_on_every_isa(isa, dtype):
     close_to_scale(state, rs, rel)
 
 
-def test_step_kernel_gives_the_same_bits_however_the_tokens_are_cut_and_batched(isa):
+@pytest.mark.parametrize("N", [5, 163])
+def test_step_kernel_gives_the_same_bits_however_the_tokens_are_cut_and_batched(isa, N):
     """Cut into decode-, verify- and chunk-sized pieces, with splits, or beside other (ragged) rows:
-    every token's output and state are the same bits."""
-    xbc, inputs = fused_inputs(3, 20, 4, 3, 2, 5, seed=8)
-    lens = [20, 7, 12]
-    y, state, bounds = fused(xbc, inputs, query_lens=lens, splits=[3, 9])
+    every token's output and state are the same bits (the kernel runs tokens in blocks that end at
+    splits, so pieces of 1, 2, 6 and 17 tokens meet every block size)."""
+    xbc, inputs = fused_inputs(3, 40, 4, 3, 2, N, seed=8)
+    lens = [40, 7, 25]
+    y, state, bounds = fused(xbc, inputs, query_lens=lens, splits=[3, 9, 26])
     x, dt, A, B, C, D, dt_bias, s0 = inputs
     for b, n in enumerate(lens):
         s = s0[b : b + 1]
-        for a, e in ((0, 1), (1, 3), (3, 9), (9, n)):
+        for a, e in ((0, 1), (1, 3), (3, 9), (9, 26), (26, n)):
             if a >= n:
                 break
             e = min(e, n)
             row = (x, dt[b : b + 1, a:e], A, B, C, D, dt_bias, s)
             yp, s, _ = fused(xbc[b : b + 1, a:e], row)
             assert yp.equal(y[b : b + 1, a:e])
-            if e in (3, 9):
-                assert s.equal(bounds[(3, 9).index(e)][b : b + 1])
+            if e in (3, 9, 26):
+                assert s.equal(bounds[(3, 9, 26).index(e)][b : b + 1])
         assert s.equal(state[b : b + 1])
         assert not y[b, n:].any()
 
