@@ -10,6 +10,7 @@
    block's tokens pass over it, and the block's sums of that row are reduced side by side (`hsums`).
    Token by token the same numbers cost 2x (Nemotron-H-shaped layer, AVX-512): the state went
    through L1 every token and each (token, row)'s lanes were summed in scalar adds through memory.
+   A one-token call (a decode step) keeps that simpler form, with the shuffles' sum. 
    The first form, one scalar chain per row, was slower still: 0.37 ms a token for a
    Nemotron-H-8B-shaped layer on 2 AVX2 cores. */
 #include "bf16.h"
@@ -27,15 +28,6 @@ static inline void stv(float* p, vf v) { memcpy(p, &v, sizeof v); }
 
 /* torch's softplus (threshold 20: above it, x itself) */
 static inline float softplus(float x) { return x > 20.f ? x : log1pf(expf(x)); }
-
-/* The lanes of v summed pairwise, halving the width each round (the same order at every call). */
-static inline float hsum(vf v) {
-    float lanes[VW];
-    memcpy(lanes, &v, sizeof v);
-    for (int w = VW / 2; w > 0; w /= 2)
-        for (int i = 0; i < w; i++) lanes[i] += lanes[i + w];
-    return lanes[0];
-}
 
 #if defined(__clang__)
 #define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
@@ -80,6 +72,17 @@ static inline vf hsums(vf* v) {
 
 #define TOKENS VW /* tokens a block: `hsums` reduces one state row's sums for all of them at once */
 #define SEGMENT 8 /* state vectors held in registers while a block's tokens pass over them */
+
+/* The lanes of v summed pairwise, halving the width each round: lane 0 of `hsums` with v in every
+   row, so a token's sum has the same bits in a block or alone. */
+static inline float hsum(vf v) {
+#if VW == 16
+    v = HALVE(v, v, LO8, HI8);
+#endif
+    v = HALVE(v, v, LO4, HI4);
+    v = HALVE(v, v, LO2, HI2);
+    return HALVE(v, v, LO1, HI1)[0];
+}
 
 /* One state row s [N] (in place) through a block's nt tokens: token j's B and C rows bt / ct + j·N,
    its decay and x·Δ. Per token s = decay·s + xd·b, and into sums[j] the products with c over the row's
@@ -126,7 +129,30 @@ static inline void row_tokens(float* s, const float* bt, const float* ct, const 
     }
 #undef UPDATE
     for (int64_t j = 0; j < nt; j++) sums[j] = (acc[j][0] + acc[j][1]) + (acc[j][2] + acc[j][3]);
-    for (int64_t j = nt; j < TOKENS; j++) sums[j] = (vf){0};
+}
+
+/* row_tokens for one token (a decode step): the same arithmetic with the accumulators in registers,
+   returned rather than stored (row_tokens' stores of them doubled a decode step's time). */
+static inline vf row_step(float* s, const float* b, const float* c, float d, float x, int64_t N) {
+    vf a0 = (vf){0}, a1 = (vf){0}, a2 = (vf){0}, a3 = (vf){0};
+#define UPDATE(a, at)                                   \
+    do {                                                \
+        const vf sv = ldv(s + (at)) * d + x * ldv(b + (at)); \
+        stv(s + (at), sv);                              \
+        a += sv * ldv(c + (at));                        \
+    } while (0)
+    int64_t n = 0;
+    for (; n + 4 * VW <= N; n += 4 * VW) {
+        UPDATE(a0, n);
+        UPDATE(a1, n + VW);
+        UPDATE(a2, n + 2 * VW);
+        UPDATE(a3, n + 3 * VW);
+    }
+    if (n + VW <= N) { UPDATE(a0, n); n += VW; }
+    if (n + VW <= N) { UPDATE(a1, n); n += VW; }
+    if (n + VW <= N) { UPDATE(a2, n); n += VW; }
+#undef UPDATE
+    return (a0 + a1) + (a2 + a3);
 }
 
 /* The rest of the row after its whole vectors (from n = N - N % VW), one by one onto total. */
@@ -175,17 +201,25 @@ static void scan_head(const char* x, const char* dt, float A, float bias, float 
                 }
             }
             for (int64_t p = 0; p < P; p++) {
+                float* sp = s + p * N;
+                if (nt == 1) { /* a decode step: through arrays, as below, it took 15 % longer */
+                    const float xp = load(x + t0 * conv_dim * es, h * P + p, is_bf16), xdp = xp * delta[0];
+                    const float total = hsum(row_step(sp, bt, ct, decay[0], xdp, N));
+                    y[(t0 * H + h) * P + p] = row_tail(sp, bt, ct, decay[0], xdp, N, total) + D * xp;
+                    continue;
+                }
                 /* one loop: x loaded and scaled apart, GCC vectorizes the scaling, and a vector load
                    after scalar stores stalls on store forwarding (a sixth of the time) */
                 for (int64_t j = 0; j < nt; j++) xd[j] = load(x + (t0 + j) * conv_dim * es, h * P + p, is_bf16) * delta[j];
-                float* sp = s + p * N;
-                row_tokens(sp, bt, ct, decay, xd, nt, N, sums);
                 float total[TOKENS];
-                if (nt > 2) {
+                if (nt == 2) {
+                    row_tokens(sp, bt, ct, decay, xd, nt, N, sums);
+                    total[0] = hsum(sums[0]), total[1] = hsum(sums[1]);
+                } else {
+                    row_tokens(sp, bt, ct, decay, xd, nt, N, sums);
+                    for (int64_t j = nt; j < TOKENS; j++) sums[j] = (vf){0};
                     const vf reduced = hsums(sums);
                     memcpy(total, &reduced, sizeof reduced);
-                } else {
-                    for (int64_t j = 0; j < nt; j++) total[j] = hsum(sums[j]);
                 }
                 for (int64_t j = 0; j < nt; j++) {
                     const float xp = load(x + (t0 + j) * conv_dim * es, h * P + p, is_bf16);
