@@ -199,15 +199,16 @@ def test_step_kernel_equals_the_float64_reference_on_every_isa(isa, dtype, L, N)
 @pytest.mark.parametrize("N", [5, 163])
 def test_step_kernel_gives_the_same_bits_however_the_tokens_are_cut_and_batched(isa, N):
     """Cut into decode-, verify- and chunk-sized pieces, with splits, or beside other (ragged) rows:
-    every token's output and state are the same bits (the kernel runs tokens in blocks that end at
-    splits, so pieces of 1, 2, 6 and 17 tokens meet every block size)."""
+    every token's output and state are the same bits (the kernel runs tokens in blocks of 16 that end
+    at splits, their sums reduced a vector's width at a time: pieces of 1, 2, 6, 10, 7 and 14 tokens
+    meet every way of cutting them)."""
     xbc, inputs = fused_inputs(3, 40, 4, 3, 2, N, seed=8)
     lens = [40, 7, 25]
     y, state, bounds = fused(xbc, inputs, query_lens=lens, splits=[3, 9, 26])
     x, dt, A, B, C, D, dt_bias, s0 = inputs
     for b, n in enumerate(lens):
         s = s0[b : b + 1]
-        for a, e in ((0, 1), (1, 3), (3, 9), (9, 26), (26, n)):
+        for a, e in ((0, 1), (1, 3), (3, 9), (9, 19), (19, 26), (26, n)):
             if a >= n:
                 break
             e = min(e, n)
