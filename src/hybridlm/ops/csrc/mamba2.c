@@ -193,8 +193,9 @@ static void scan_head(const char* x, const char* dt, float A, float bias, float 
         if (t0 >= real) {
             for (int64_t j = 0; j < nt; j++) memset(y + ((t0 + j) * H + h) * P, 0, sizeof(float) * P);
         } else {
+            const char* rows = x + t0 * conv_dim * es; /* the block's conv output rows */
             for (int64_t j = 0; j < nt; j++) {
-                const char* row = x + (t0 + j) * conv_dim * es;
+                const char* row = rows + j * conv_dim * es;
                 float dl = softplus(load(dt, (t0 + j) * H + h, is_bf16) + bias);
                 delta[j] = dl < lo ? lo : (dl > hi ? hi : dl);
                 decay[j] = expf(delta[j] * A);
@@ -206,14 +207,15 @@ static void scan_head(const char* x, const char* dt, float A, float bias, float 
             for (int64_t p = 0; p < P; p++) {
                 float* sp = s + p * N;
                 if (nt == 1) { /* a decode step: through arrays, as below, it took 15 % longer */
-                    const float xp = load(x + t0 * conv_dim * es, h * P + p, is_bf16), xdp = xp * delta[0];
+                    const float xp = load(rows, h * P + p, is_bf16), xdp = xp * delta[0];
                     const float total = hsum(row_step(sp, bt, ct, decay[0], xdp, N));
                     y[(t0 * H + h) * P + p] = row_tail(sp, bt, ct, decay[0], xdp, N, total) + D * xp;
                     continue;
                 }
                 /* one loop: x loaded and scaled apart, GCC vectorizes the scaling, and a vector load
                    after scalar stores stalls on store forwarding (a sixth of the time) */
-                for (int64_t j = 0; j < nt; j++) xd[j] = load(x + (t0 + j) * conv_dim * es, h * P + p, is_bf16) * delta[j];
+                for (int64_t j = 0; j < nt; j++)
+                    xd[j] = load(rows + j * conv_dim * es, h * P + p, is_bf16) * delta[j];
                 float total[TOKENS];
                 row_tokens(sp, bt, ct, decay, xd, nt, N, sums);
                 for (int64_t g = 0; g < nt; g += VW) { /* VW tokens' sums at a time, a few one by one */
@@ -227,7 +229,7 @@ static void scan_head(const char* x, const char* dt, float A, float bias, float 
                     }
                 }
                 for (int64_t j = 0; j < nt; j++) {
-                    const float xp = load(x + (t0 + j) * conv_dim * es, h * P + p, is_bf16);
+                    const float xp = load(rows + j * conv_dim * es, h * P + p, is_bf16);
                     total[j] = row_tail(sp, bt + j * N, ct + j * N, decay[j], xd[j], N, total[j]);
                     y[((t0 + j) * H + h) * P + p] = total[j] + D * xp;
                 }
