@@ -14,10 +14,11 @@ import pytest
 import torch
 from torch import nn
 
-from hybridlm.batch import Batch
+from hybridlm.batch import Batch, Packed
 from hybridlm.cache import KVCache
 from hybridlm.cache.recurrent import ScanCache
 from hybridlm.models import decode, load_model
+from hybridlm.models.base import forward_packed
 from hybridlm.models.granitemoehybrid import SoftmaxTopKMoE
 from hybridlm.models.layers import Attention, DecoderLayer, GatedDeltaNet, GatedMLP
 from hybridlm.models.mamba2 import Mamba2Mixer
@@ -120,6 +121,64 @@ def test_quantized_planned_steps_equal_the_modules_bitwise(checkpoints, name, qu
     check(model)
 
 
+# Per packed step, (sequence, tokens) in packing order: decode rows beside verify passes.
+PACKED_STEPS = [[(0, 1), (1, 3), (2, 1)], [(2, FEW_TOKENS), (0, 1)], [(1, 1), (0, 2), (2, 1)]]
+
+
+def run_packed(model, prompts, *, planned: bool):
+    """Prefill each prompt alone, then run `PACKED_STEPS` through `forward_packed` with or without plans:
+    (per step the segments' logits, each sequence's caches)."""
+    rng = random.Random(5)
+    caches = [model.make_caches(1) for _ in prompts]
+    for ids, c in zip(prompts, caches, strict=True):
+        model(Batch.single(ids), c)
+    offsets, outs = [len(p) for p in prompts], []
+    with nullcontext() if planned else decode.without_plans():
+        for step in PACKED_STEPS:
+            pieces = [(i, tokens(rng, n)) for i, n in step]
+            segments = [Batch.single(ids, offset=offsets[i]) for i, ids in pieces]
+            rows = ["all"] * len(pieces)
+            outs.append(forward_packed(model, segments, [caches[i] for i, _ in pieces], rows))
+            for i, ids in pieces:
+                offsets[i] += len(ids)
+    return outs, caches
+
+
+@pytest.mark.parametrize("quantize", [None, "int4"])
+@pytest.mark.parametrize(
+    "name", ["qwen3_5_moe_text", "lfm2", "gemma3_text", "granitemoehybrid_moe", "nemotron_h", "kimi_linear"]
+)
+def test_packed_planned_steps_equal_the_modules_bitwise(checkpoints, name, quantize, monkeypatch):
+    """The decode and verify rows of three sequences packed in one forward (`forward_packed`, what
+    continuous batching runs) go through the plan, and every segment's logits and every sequence's
+    caches equal, bit for bit, the same packed steps through the modules."""
+    model = load_model(checkpoints(name).path, dtype=torch.bfloat16, device="cpu", quantize=quantize)
+    rng = random.Random(4)
+    prompts = [tokens(rng, n) for n in (FEW_TOKENS + 3, 31, FEW_TOKENS + 8)]  # prefills the modules run
+    runs = []
+    monkeypatch.setattr(decode.DecodePlan, "__call__", counted(decode.DecodePlan.__call__, runs))
+    got, got_caches = run_packed(model, prompts, planned=True)
+    assert len(runs) == len(PACKED_STEPS) and all(type(b) is Packed for b in runs)
+    runs.clear()
+    want, want_caches = run_packed(model, prompts, planned=False)
+    assert runs == []
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert_same(g, w, f"step {i}")
+    for g_seq, w_seq in zip(got_caches, want_caches, strict=True):
+        for j, (g, w) in enumerate(zip(g_seq, w_seq, strict=True)):
+            if g is not None:
+                assert g.offset == w.offset
+                assert_same(cache_tensors(g), cache_tensors(w), f"layer {j} cache")
+
+
+def counted(fn, calls: list):
+    def wrapper(*args, **kwargs):
+        calls.append(args[2])
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
 @pytest.mark.parametrize("hidden", ["last", "all"])
 def test_planned_steps_return_the_modules_hidden_states(checkpoints, hidden):
     """forward(hidden=...) (what a drafter reading the target's states asks for) returns the same
@@ -128,15 +187,17 @@ def test_planned_steps_return_the_modules_hidden_states(checkpoints, hidden):
     check(model, hidden=hidden)
 
 
-def test_captures_and_recorded_inputs_equal_the_modules(checkpoints):
+@pytest.mark.parametrize("name", ["qwen3_5_text", "nemotron_h"])
+def test_captures_and_recorded_inputs_equal_the_modules(checkpoints, name):
     """Range captures scheduled inside the decode steps (recurrent layers record their scan inputs and
     report the states at the split points, which the plan hands to the layer's own scan) give the same
     snapshots as the modules."""
-    model = load_model(checkpoints("qwen3_5_text").path, dtype=torch.bfloat16, device="cpu")
+    model = load_model(checkpoints(name).path, dtype=torch.bfloat16, device="cpu")
 
     def prepare(caches):
         for cache in caches:
-            cache.prepare_snapshots([12, 14, 15, 30, 35], ranges=True)
+            if cache is not None:  # a layer without state (Nemotron-H's MLP and MoE layers)
+                cache.prepare_snapshots([12, 14, 15, 30, 35], ranges=True)
 
     caches = check(model, prepare=prepare)
     assert any(isinstance(c, ScanCache) and c.record for c in caches)

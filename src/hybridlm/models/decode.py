@@ -7,9 +7,10 @@ kernel step after step, and the choosing costs ≈ 5 ms a step on the Qwen3.5-0.
 an int4 step). A plan makes the choices once per model and calls the linear and norm kernels
 directly, on the inputs the layers would hand them (and a Gated DeltaNet's conv and scan kernels);
 between its projections a mixer or MoE block runs its own code (`GatedDeltaNet.scan_projected`,
-`Attention.attend_projected`, `Mamba2Mixer.mixed`, `SparseMoE.routed`) with the plan's norms and
-products. A block that only composes its children (`DecoderLayer` and its kin) has a `run(parts, ...)`
-over them by name, which its forward calls with its modules and the plan with their ops. The same
+`Attention.attend_projected`, `SparseMoE.routed`) with the plan's norms and products (a Mamba-2
+mixer's conv, step and norm kernels are the plan's calls too). A block that only composes its
+children (`DecoderLayer` and its kin) has a `run(parts, ...)` over them by name, which its forward
+calls with its modules and the plan with their ops. The same
 kernels on the same inputs: the same bits as the module path (tests/models/test_decode.py). Caches
 advance through the layers' own code, so captures, recording and copy-on-write behave as in any
 forward.
@@ -17,8 +18,8 @@ forward.
 What the plan does not know runs as its module: a block without `run` whose type the plan has no op
 for, a linear or norm of another kind or without its kernel, a scan step that must report split
 states. `CausalLM.hidden_states` takes a plan for a
-B = 1 batch of 1 to `FEW_TOKENS` tokens on a bf16 CPU model, with autograd off, outside
-`prompt_rows` (whose rows take prefill's integer path) and `without_plans`;
+B = 1 batch of 1 to `FEW_TOKENS` tokens, or a `Packed` batch of such segments, on a bf16 CPU model,
+with autograd off, outside `prompt_rows` (whose rows take prefill's integer path) and `without_plans`;
 ``HYBRIDLM_DECODE_PLAN=0`` turns plans off.
 
 A plan holds the modules it was built from and checks each step that they are still in place (a
@@ -36,8 +37,8 @@ from contextlib import AbstractContextManager
 import torch
 from torch import nn
 
-from hybridlm.batch import Batch
-from hybridlm.models.layers import Attention, GatedDeltaNet, GatedMLP
+from hybridlm.batch import Batch, Packed
+from hybridlm.models.layers import Attention, GatedDeltaNet, GatedMLP, per_segment
 from hybridlm.models.mamba2 import Mamba2Mixer
 from hybridlm.models.moe import SparseMoE
 from hybridlm.ops.conv import CONV_KERNEL
@@ -45,6 +46,7 @@ from hybridlm.ops.elementwise import gated_rows
 from hybridlm.ops.gated_delta import GDN_KERNEL
 from hybridlm.ops.linear import KERNEL as BF16_KERNEL
 from hybridlm.ops.linear import FusedLinear, Linear, kernel_rows
+from hybridlm.ops.mamba2 import GATED_NORM_KERNEL, STEP_KERNEL
 from hybridlm.ops.native import FEW_TOKENS, ThreadFlag
 from hybridlm.ops.norms import (
     FLOAT32,
@@ -75,10 +77,15 @@ def without_plans() -> AbstractContextManager[None]:
 
 
 def decode_plan(model: nn.Module, batch: Batch) -> DecodePlan | None:
-    """`model`'s plan when `batch` is 1 to `FEW_TOKENS` tokens of one sequence and a plan applies,
-    else None."""
+    """`model`'s plan when `batch` is 1 to `FEW_TOKENS` tokens of one sequence, or a `Packed` batch of
+    such segments (the decode and verify rows of several sequences: every op of a plan takes any number
+    of rows, its linears and norms computing each row alone, its mixers and caches per segment), and a
+    plan applies; else None."""
     b, length = batch.input_ids.shape
-    few = type(batch) is Batch and b == 1 and 0 < length <= FEW_TOKENS and batch.query_lens[0] == length
+    if type(batch) is Packed:
+        few = all(0 < hi - lo <= FEW_TOKENS for lo, hi in batch.bounds)
+    else:
+        few = type(batch) is Batch and b == 1 and 0 < length <= FEW_TOKENS and batch.query_lens[0] == length
     if not few or prompt_rows_on() or _OFF or torch.is_grad_enabled():  # no kernel is differentiable
         return None
     if model not in _PLANS:
@@ -183,6 +190,8 @@ def _linear_op(module: nn.Module, watch: list) -> Op:
             return lambda x: module._forward_integer(x.reshape(-1, k)).view(*x.shape[:-1], n)
 
         def quantized(x: torch.Tensor) -> torch.Tensor:
+            if x.numel() > FEW_TOKENS * k:  # more rows than the kernel takes: the layer's row groups
+                return module(x)
             if not x.is_contiguous():
                 x = x.contiguous()
             y = x.new_empty((*x.shape[:-1], n))
@@ -351,10 +360,69 @@ def _attention_op(m: Attention, watch: list) -> Op:
 
 def _mamba2_op(m: Mamba2Mixer, watch: list) -> Op:
     """`Mamba2Mixer.forward` of a few tokens (one sequence, so no padding to mask): the plan's in / out
-    projections around the layer's own conv, scan and gated norm (`Mamba2Mixer.mixed`)."""
+    projections around the layer's conv, step and gated norm kernels called directly when the cache asks
+    for no split states (else the layer's own `scan_history`), with A = -exp(A_log), dt_bias and D in
+    float32 computed once per parameter version. The wrappers' checks and conversions cost ≈ 2 ms of a
+    Granite-4.0-H-Tiny-shaped step (18 Mamba-2 layers)."""
     in_proj = _linear_op(_child(m, "in_proj", watch), watch)
     out_proj = _linear_op(_child(m, "out_proj", watch), watch)
-    return lambda x, batch, cache: out_proj(m.mixed(in_proj(x), batch, cache, x.dtype))
+    conv_params, params = _child(m, "conv1d", watch)._parameters, m._parameters
+    gate = _child(m, "norm", watch)
+    fns = conv_fn, step_fn, norm_fn = CONV_KERNEL.get(), STEP_KERNEL.get(), GATED_NORM_KERNEL.get()
+    bias = conv_params.get("bias")
+    if (
+        None in fns
+        or m.kernel < 2
+        or conv_params["weight"].dtype is not BF16
+        or (bias is not None and bias.dtype is not BF16)
+        or gate._parameters["weight"].dtype is not BF16
+        or m.inner % gate.groups
+    ):
+        return lambda x, batch, cache: out_proj(m.mixed(in_proj(x), batch, cache, x.dtype))
+    sizes, lo, hi = [m.inner, m.conv_dim, m.heads], *m.dt_limit
+    shape = (m.heads, m.head_dim, m.groups, m.state_size)
+    derived: list = []  # (parameter, its version) for A_log, dt_bias, D; then (A, dt_bias, D) in float32
+
+    def floats() -> tuple[torch.Tensor, ...]:
+        now = [params["A_log"], params["dt_bias"], params["D"]]
+        if not derived or any(t is not u or t._version != v for t, (u, v) in zip(now, derived, strict=False)):
+            a_log, dt_bias, d = now
+            derived[:] = [*((t, t._version) for t in now), (-a_log.float().exp(), dt_bias.float(), d.float())]
+        return derived[-1]
+
+    def scan(batch: Batch, cache, xbc: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:
+        hist = cache.get(batch)
+        state, prior = hist.state, hist.conv_tail
+        own = prior.dtype is BF16 and state.dtype is torch.float32 and state.is_contiguous()
+        if hist.splits or not own:
+            return m.scan_history(batch, cache, hist, xbc, dt)
+        threads, length, channels = torch.get_num_threads(), xbc.shape[1], m.conv_dim
+        x, steps, prior = xbc.contiguous(), dt.contiguous(), prior.contiguous()
+        conv = torch.empty(1, length, channels, dtype=BF16)
+        tail = torch.empty(1, m.kernel - 1, channels, dtype=BF16)
+        b = conv_params.get("bias")
+        conv_fn(x.data_ptr(), prior.data_ptr(), conv_params["weight"].data_ptr(),
+                None if b is None else b.data_ptr(), conv.data_ptr(), tail.data_ptr(), None, None, 0, None, 1,
+                length, channels, m.kernel, 1, 1, threads)
+        a, dt_bias, d = floats()
+        y = torch.empty(1, length, m.inner, dtype=torch.float32)
+        step_fn(conv.data_ptr(), steps.data_ptr(), a.data_ptr(), dt_bias.data_ptr(), d.data_ptr(),
+                state.data_ptr(), y.data_ptr(), None, None, 0, None, 1, length, *shape, lo, hi, 1, threads)
+        record = hist.record
+        cache.put(batch, tail, state, [], inputs=xbc if record else None, gates=dt if record else None)
+        return y
+
+    def gated(y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        out, weight = torch.empty(y.shape, dtype=BF16), gate._parameters["weight"]
+        norm_fn(y.data_ptr(), z.data_ptr(), z.stride(1), weight.data_ptr(), out.data_ptr(), y.shape[1],
+                m.inner, gate.groups, gate.eps, int(gate.norm_before_gate), torch.get_num_threads())
+        return out
+
+    def mixer(x: torch.Tensor, batch: Batch, cache) -> torch.Tensor:
+        z, xbc, dt = torch.split_with_sizes(in_proj(x), sizes, dim=-1)
+        return out_proj(gated(per_segment(batch, cache, scan, xbc, dt).view(z.shape), z))
+
+    return mixer
 
 
 # The blocks whose kernels a plan calls itself, by exact type (a subclass may compute otherwise).

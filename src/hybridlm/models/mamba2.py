@@ -170,7 +170,10 @@ class Mamba2Mixer(nn.Module):
     def scan(self, batch: Batch, cache: Mamba2Cache, xbc, dt) -> torch.Tensor:
         """Conv + state update of this forward's scan inputs from `cache`'s state -> y [B, L, H, P]
         float32; the cache takes the new state, its captures and (while recording) the inputs."""
-        hist = cache.get(batch)
+        return self.scan_history(batch, cache, cache.get(batch), xbc, dt)
+
+    def scan_history(self, batch: Batch, cache: Mamba2Cache, hist, xbc, dt) -> torch.Tensor:
+        """`scan` from `hist`, what `cache.get(batch)` returned for this forward."""
         lens = batch.query_lens if batch.padded else None
         length = xbc.shape[1]
         step = length <= FEW_TOKENS or hist.record or bool(hist.splits)
