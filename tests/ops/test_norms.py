@@ -1,7 +1,9 @@
-"""RMSNorm variants: the fused C path for few-row CPU inputs against the torch composition (the
-reference implementations' cast order) and against float64."""
+"""RMSNorm variants: the fused C path against the torch composition (the reference implementations'
+cast order) and against float64, and its rows independent of each other and of the thread count."""
 
 from __future__ import annotations
+
+import types
 
 import pytest
 import torch
@@ -60,11 +62,31 @@ def test_fused_norm_matches_float64(isa, cls, offset):
     torch.testing.assert_close(norm(x).double(), ref, atol=1e-5, rtol=1e-5)
 
 
-def test_large_inputs_and_a_strided_input_take_the_right_paths(monkeypatch):
+@needs_kernel
+@pytest.mark.parametrize("cls", [RMSNorm, GatedRMSNorm, Float32RMSNorm])
+def test_a_prompt_sized_input_gives_each_row_the_numbers_of_its_own_call(cls):
+    """Rows enough for the kernel to split them over threads (a prompt chunk) equal each row normed
+    alone, bit for bit, on one thread or two: a row's numbers never depend on its neighbours."""
+    norm = make(cls, 96, torch.bfloat16, seed=5)
+    x = (3 * torch.randn(1000, 96)).to(torch.bfloat16)
+    gate = torch.randn(1000, 96).to(torch.bfloat16) if cls is GatedRMSNorm else None
+    args = (x,) if gate is None else (x, gate)
+    threads = torch.get_num_threads()
+    try:
+        got = [norm(*args)]
+        torch.set_num_threads(1)
+        got.append(norm(*args))
+    finally:
+        torch.set_num_threads(threads)
+    alone = torch.cat([norm(*(a[i : i + 1] for a in args)) for i in range(x.shape[0])])
+    for g in got:
+        assert torch.equal(g, alone)
+
+
+def test_a_strided_input_and_no_kernel_give_the_torch_composition(monkeypatch):
     norm = make(RMSNorm, 64, torch.float32, seed=4)
-    big = torch.randn(norms.FUSED_MAX_NUMEL // 64 + 1, 64)
-    monkeypatch.setattr(norms, "NORM_KERNEL", None)  # any use of the kernel would fail
-    assert torch.equal(norm(big), composed(norm, big))
-    monkeypatch.undo()
     strided = torch.randn(3, 128)[:, ::2]
     torch.testing.assert_close(norm(strided), composed(norm, strided), atol=1e-6, rtol=1e-5)
+    x = torch.randn(5, 64)
+    monkeypatch.setattr(norms, "NORM_KERNEL", types.SimpleNamespace(get=lambda: None))  # not built
+    assert torch.equal(norm(x), composed(norm, x))

@@ -50,7 +50,6 @@ from hybridlm.ops.mamba2 import GATED_NORM_KERNEL, STEP_KERNEL
 from hybridlm.ops.native import FEW_TOKENS, ThreadFlag
 from hybridlm.ops.norms import (
     FLOAT32,
-    FUSED_MAX_NUMEL,
     GATED,
     NORM_KERNEL,
     OFFSET,
@@ -252,15 +251,14 @@ def _norm_op(module: nn.Module) -> Op:
     eps = module.eps
 
     def norm(x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
-        if x.numel() > FUSED_MAX_NUMEL:  # torch's ops, as `fused_rms_norm` leaves them
-            return module(x) if gate is None else module(x, gate)
         x = x.contiguous()
         if gate is not None:
             gate = gate.contiguous()
         out = torch.empty_like(x)
         d = x.shape[-1]
         g = None if gate is None else gate.data_ptr()
-        fn(x.data_ptr(), params["weight"].data_ptr(), g, out.data_ptr(), x.numel() // d, d, eps, mode, 1)
+        fn(x.data_ptr(), params["weight"].data_ptr(), g, out.data_ptr(), x.numel() // d, d, eps, mode, 1,
+           torch.get_num_threads())
         return out
 
     return norm

@@ -4,7 +4,8 @@
 
    Every loop vectorizes: the sum of squares keeps SQUARE_LANES partial sums (`sum_squares` in
    bf16.h) added in a fixed tree at the end, and the gate's SiLU uses exp_fast. A row's numbers
-   depend only on the row (its length and values), never on how many rows a call has. */
+   depend only on the row (its length and values), never on how many rows a call has or how many
+   threads share them. */
 #include "bf16.h"
 #include <math.h>
 
@@ -29,12 +30,15 @@ static inline __attribute__((always_inline)) void norm_row(const void* x, const 
     }
 }
 
+/* Rows split over the threads only past a prompt chunk's few rows: a decode row's norm is ~1 us, less
+   than waking the team. */
 #define ROWS(mode, bf16) \
+    _Pragma("omp parallel for schedule(static) num_threads(nthreads) if (N * D >= (1 << 16))") \
     for (int64_t n = 0; n < N; n++) norm_row(x, w, gate, out, n * D, D, eps, mode, bf16)
 
 /* x, gate, out [N, D]; w [D]; all bf16 when is_bf16, else float32. */
 void hybridlm_rms_norm(const void* x, const void* w, const void* gate, void* out, int64_t N, int64_t D,
-                       float eps, int mode, int is_bf16) {
+                       float eps, int mode, int is_bf16, int nthreads) {
     if (is_bf16) {
         switch (mode) {
         case 0: ROWS(0, 1); break;
