@@ -208,6 +208,23 @@ def test_a_malformed_call_beside_good_ones_keeps_the_good_ones():
     assert parse(fmt, good + "\n" + bad) == (bad, [("get_weather", {"city": "Oslo"})])
 
 
+@pytest.mark.parametrize("newline", ["\n", ""])
+def test_the_glm45_forced_call_grammar_takes_either_layout(tokenizers_by_family, newline):
+    """GLM-4.5 and Ling 3.0 write a newline before each key, value and the end of a call, GLM-4.7 and
+    later none: the forced-call grammar takes both, so the model writes its own layout."""
+    tok, fmt = tokenizers_by_family["ling3"], FORMATS["glm45"]
+    compiler = GrammarCompiler(tok, tok.vocab_size)
+    rules = fmt.grammar(tool_functions(TOOLS), False, marker_ids(tok, fmt.markers()))
+    matcher = compiler.matcher(Grammar("lark", rules, "tools"))
+    pairs = [("city", "Paris"), ("days", "3"), ("units", "c")]
+    body = "".join(f"{newline}<arg_key>{k}</arg_key>{newline}<arg_value>{v}</arg_value>" for k, v in pairs)
+    text = f"<tool_call>get_weather{body}{newline}</tool_call>"
+    for token in tok.encode(text):
+        matcher.advance(token)
+    assert matcher.done
+    assert parse(fmt, text) == ("", [("get_weather", {"city": "Paris", "days": 3, "units": "c"})])
+
+
 @pytest.mark.parametrize("family", ALL)
 def test_forced_call_grammar_output_parses_to_valid_calls(tokenizers_by_family, family):
     """Random logits under the grammar (the worst a model can do) still give calls that parse and

@@ -34,11 +34,14 @@ class ArgXml(ToolFormat):
         return None if args is None else [ToolCall.of(name, args)]
 
     def grammar(self, functions: dict[str, dict], parallel: bool, special: dict[str, int]) -> str:
-        # Ling 3.0's layout: a newline before each key and value
+        # A newline before each key, value and the end (GLM-4.5, Ling 3.0) or none (GLM-4.7 and later):
+        # the model writes its own layout
         return tagged_grammar(
             self, functions, parallel, special,
             head=lark_string,
             argument=lambda key, value: (
-                f'"\\n" {lark_string(f"<arg_key>{key}</arg_key>")} "\\n<arg_value>" {value} "</arg_value>"'
+                f'"\\n"? {lark_string(f"<arg_key>{key}</arg_key>")} "\\n"? "<arg_value>" {value}'
+                ' "</arg_value>"'
             ),
+            closing='"\\n"?',
         )

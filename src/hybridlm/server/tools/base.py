@@ -112,11 +112,12 @@ def tagged_grammar(
     argument: Callable[[str, str], str],
     tail: str = "",
     opening: str = "",
+    closing: str = '"\\n"',
 ) -> str:
     """`ToolFormat.grammar` of the formats that write each argument between tags: a call is `fmt.begin`,
     `opening`, `head(name)`, `argument(key, value)` for every declared parameter in schema order
-    (optional ones too: still valid), `tail`, a newline and `fmt.end` (all Lark terms); a value is text
-    up to the next "<" (string parameters) or JSON."""
+    (optional ones too: still valid), `tail`, `closing` (a newline) and `fmt.end` (all Lark terms); a
+    value is text up to the next "<" (string parameters) or JSON."""
     rules, names = [], []
     for i, (name, params) in enumerate(functions.items()):
         parts = []
@@ -128,7 +129,7 @@ def tagged_grammar(
         rules.append(" ".join(t for t in (f"f{i}:", head(name), *parts, tail) if t))
     begin, end = marker(fmt.begin, special), marker(fmt.end, special)
     repeat = ' ("\\n" call)*' if parallel else ""
-    call = " ".join(t for t in (begin, opening, f'({" | ".join(names)})', '"\\n"', end) if t)
+    call = " ".join(t for t in (begin, opening, f'({" | ".join(names)})', closing, end) if t)
     return f"start: call{repeat}\ncall: {call}\n" + "\n".join(rules) + "\n"
 
 
