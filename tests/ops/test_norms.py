@@ -64,9 +64,10 @@ def test_fused_norm_matches_float64(isa, cls, offset):
 
 @needs_kernel
 @pytest.mark.parametrize("cls", [RMSNorm, GatedRMSNorm, Float32RMSNorm])
-def test_a_prompt_sized_input_gives_each_row_the_numbers_of_its_own_call(cls):
+def test_a_prompt_sized_input_gives_each_row_the_numbers_of_its_own_call(cls, isa):
     """Rows enough for the kernel to split them over threads (a prompt chunk) equal each row normed
-    alone, bit for bit, on one thread or two: a row's numbers never depend on its neighbours."""
+    alone, bit for bit, on one thread or two, at every ISA level: a row's numbers never depend on its
+    neighbours."""
     norm = make(cls, 96, torch.bfloat16, seed=5)
     x = (3 * torch.randn(1000, 96)).to(torch.bfloat16)
     gate = torch.randn(1000, 96).to(torch.bfloat16) if cls is GatedRMSNorm else None
