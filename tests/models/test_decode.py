@@ -93,14 +93,20 @@ def check(model, *, prepare=None, hidden=None, seed=3):
     want, want_caches = run_steps(model, prompt, steps, planned=False, **kw)
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
         assert_same(list(g), list(w), f"step {i}")
+    assert_same_caches(got_caches, want_caches)
     for i, (g, w) in enumerate(zip(got_caches, want_caches, strict=True)):
-        if g is None:
-            continue
-        assert g.offset == w.offset
-        assert_same(cache_tensors(g), cache_tensors(w), f"layer {i} cache")
-        snaps = [snapshot_tensors(c.take_snapshots()) for c in (g, w)]
-        assert_same(*snaps, f"layer {i} captures")
+        if g is not None:
+            snaps = [snapshot_tensors(c.take_snapshots()) for c in (g, w)]
+            assert_same(*snaps, f"layer {i} captures")
     return got_caches
+
+
+def assert_same_caches(got: list, want: list) -> None:
+    """Every layer's cache (None for a layer without state) at the same offset with the same tensors."""
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        if g is not None:
+            assert g.offset == w.offset
+            assert_same(cache_tensors(g), cache_tensors(w), f"layer {i} cache")
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -164,14 +170,13 @@ def test_packed_planned_steps_equal_the_modules_bitwise(checkpoints, name, quant
     assert runs == []
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
         assert_same(g, w, f"step {i}")
-    for g_seq, w_seq in zip(got_caches, want_caches, strict=True):
-        for j, (g, w) in enumerate(zip(g_seq, w_seq, strict=True)):
-            if g is not None:
-                assert g.offset == w.offset
-                assert_same(cache_tensors(g), cache_tensors(w), f"layer {j} cache")
+    for g, w in zip(got_caches, want_caches, strict=True):
+        assert_same_caches(g, w)
 
 
 def counted(fn, calls: list):
+    """`DecodePlan.__call__` that also appends each call's batch to `calls`."""
+
     def wrapper(*args, **kwargs):
         calls.append(args[2])
         return fn(*args, **kwargs)

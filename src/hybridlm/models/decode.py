@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from hybridlm.batch import Batch, Packed
-from hybridlm.models.layers import Attention, GatedDeltaNet, GatedMLP, per_segment
+from hybridlm.models.layers import Attention, GatedDeltaNet, GatedMLP, few_segments, per_segment
 from hybridlm.models.mamba2 import Mamba2Mixer
 from hybridlm.models.moe import SparseMoE
 from hybridlm.ops.conv import CONV_KERNEL
@@ -82,7 +82,7 @@ def decode_plan(model: nn.Module, batch: Batch) -> DecodePlan | None:
     plan applies; else None."""
     b, length = batch.input_ids.shape
     if type(batch) is Packed:
-        few = all(0 < hi - lo <= FEW_TOKENS for lo, hi in batch.bounds)
+        few = len(few_segments(batch)) == len(batch.segments)
     else:
         few = type(batch) is Batch and b == 1 and 0 < length <= FEW_TOKENS and batch.query_lens[0] == length
     if not few or prompt_rows_on() or _OFF or torch.is_grad_enabled():  # no kernel is differentiable
@@ -380,14 +380,16 @@ def _mamba2_op(m: Mamba2Mixer, watch: list) -> Op:
         return lambda x, batch, cache: out_proj(m.mixed(in_proj(x), batch, cache, x.dtype))
     sizes, lo, hi = [m.inner, m.conv_dim, m.heads], *m.dt_limit
     shape = (m.heads, m.head_dim, m.groups, m.state_size)
-    derived: list = []  # (parameter, its version) for A_log, dt_bias, D; then (A, dt_bias, D) in float32
+    held: list = [(None,) * 3, ()]  # the parameters (A_log, dt_bias, D) the constants are of, their versions
+    constants: list = []  # A, dt_bias, D in float32
 
-    def floats() -> tuple[torch.Tensor, ...]:
-        now = [params["A_log"], params["dt_bias"], params["D"]]
-        if not derived or any(t is not u or t._version != v for t, (u, v) in zip(now, derived, strict=False)):
+    def floats() -> list[torch.Tensor]:
+        now = (params["A_log"], params["dt_bias"], params["D"])
+        versions = tuple(t._version for t in now)
+        if any(t is not u for t, u in zip(now, held[0], strict=True)) or versions != held[1]:
             a_log, dt_bias, d = now
-            derived[:] = [*((t, t._version) for t in now), (-a_log.float().exp(), dt_bias.float(), d.float())]
-        return derived[-1]
+            held[:], constants[:] = [now, versions], [-a_log.float().exp(), dt_bias.float(), d.float()]
+        return constants
 
     def scan(batch: Batch, cache, xbc: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:
         hist = cache.get(batch)
