@@ -262,6 +262,18 @@ def test_a_plan_follows_modules_swapped_after_it_was_built(checkpoints):
     check(model)
 
 
+def test_a_plan_rereads_mamba2_constants_changed_in_place(checkpoints):
+    """A Mamba-2 layer's A_log, dt_bias and D changed in place after a planned step (the plan holds
+    their float32 copies) are read anew: the next steps equal their module path."""
+    model = load_model(checkpoints("nemotron_h").path, dtype=torch.bfloat16, device="cpu")
+    check(model)
+    with torch.no_grad():
+        for mixer in (m for m in model.modules() if isinstance(m, Mamba2Mixer)):
+            for p in (mixer.A_log, mixer.dt_bias, mixer.D):
+                p.mul_(0.75)
+    check(model)
+
+
 @torch.no_grad()  # as inside `CausalLM.forward`
 def test_no_plan_for_float32_models_or_when_turned_off(checkpoints, monkeypatch):
     """float32 weights take the modules (the plan calls the bf16 kernels); so does every model with
