@@ -209,20 +209,29 @@ def test_a_malformed_call_beside_good_ones_keeps_the_good_ones():
 
 
 @pytest.mark.parametrize("newline", ["\n", ""])
-def test_the_glm45_forced_call_grammar_takes_either_layout(tokenizers_by_family, newline):
-    """GLM-4.5 and Ling 3.0 write a newline before each key, value and the end of a call, GLM-4.7 and
-    later none: the forced-call grammar takes both, so the model writes its own layout."""
+@pytest.mark.parametrize("parallel", [False, True])
+def test_the_glm45_forced_call_grammar_takes_either_layout(tokenizers_by_family, newline, parallel):
+    """GLM-4.5 and Ling 3.0 write a newline before each key, value and the end of a call and between
+    parallel calls, GLM-4.7 and later none: the forced-call grammar takes both, so the model writes its
+    own layout."""
     tok, fmt = tokenizers_by_family["ling3"], FORMATS["glm45"]
     compiler = GrammarCompiler(tok, tok.vocab_size)
-    rules = fmt.grammar(tool_functions(TOOLS), False, marker_ids(tok, fmt.markers()))
+    rules = fmt.grammar(tool_functions(TOOLS), parallel, marker_ids(tok, fmt.markers()))
     matcher = compiler.matcher(Grammar("lark", rules, "tools"))
-    pairs = [("city", "Paris"), ("days", "3"), ("units", "c")]
-    body = "".join(f"{newline}<arg_key>{k}</arg_key>{newline}<arg_value>{v}</arg_value>" for k, v in pairs)
-    text = f"<tool_call>get_weather{body}{newline}</tool_call>"
+    cities = ["Paris", "Oslo"] if parallel else ["Paris"]
+    calls = []
+    for city in cities:
+        pairs = [("city", city), ("days", "3"), ("units", "c")]
+        nl = newline
+        body = "".join(f"{nl}<arg_key>{k}</arg_key>{nl}<arg_value>{v}</arg_value>" for k, v in pairs)
+        calls.append(f"<tool_call>get_weather{body}{newline}</tool_call>")
+    text = newline.join(calls)
     for token in tok.encode(text):
         matcher.advance(token)
-    assert matcher.done
-    assert parse(fmt, text) == ("", [("get_weather", {"city": "Paris", "days": 3, "units": "c"})])
+    # Parallel calls may go on: the grammar is complete where it lets the message end
+    assert matcher.done or matcher.allowed()[sorted(tok.eos_token_ids)].any()
+    expected = [("get_weather", {"city": city, "days": 3, "units": "c"}) for city in cities]
+    assert parse(fmt, text) == ("", expected)
 
 
 @pytest.mark.parametrize("family", ALL)

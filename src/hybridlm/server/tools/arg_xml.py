@@ -34,8 +34,8 @@ class ArgXml(ToolFormat):
         return None if args is None else [ToolCall.of(name, args)]
 
     def grammar(self, functions: dict[str, dict], parallel: bool, special: dict[str, int]) -> str:
-        # A newline before each key, value and the end (GLM-4.5, Ling 3.0) or none (GLM-4.7 and later):
-        # the model writes its own layout
+        # A newline before each key, value, the end and the next call (GLM-4.5, Ling 3.0) or none
+        # (GLM-4.7 and later): the model writes its own layout
         return tagged_grammar(
             self, functions, parallel, special,
             head=lark_string,
@@ -44,4 +44,5 @@ class ArgXml(ToolFormat):
                 ' "</arg_value>"'
             ),
             closing='"\\n"?',
+            separator='"\\n"?',
         )

@@ -113,11 +113,13 @@ def tagged_grammar(
     tail: str = "",
     opening: str = "",
     closing: str = '"\\n"',
+    separator: str = '"\\n"',
 ) -> str:
     """`ToolFormat.grammar` of the formats that write each argument between tags: a call is `fmt.begin`,
     `opening`, `head(name)`, `argument(key, value)` for every declared parameter in schema order
-    (optional ones too: still valid), `tail`, `closing` (a newline) and `fmt.end` (all Lark terms); a
-    value is text up to the next "<" (string parameters) or JSON."""
+    (optional ones too: still valid), `tail`, `closing` (a newline) and `fmt.end` (all Lark terms);
+    parallel calls follow one another after `separator` (a newline). A value is text up to the next
+    "<" (string parameters) or JSON."""
     rules, names = [], []
     for i, (name, params) in enumerate(functions.items()):
         parts = []
@@ -128,7 +130,7 @@ def tagged_grammar(
         names.append(f"f{i}")
         rules.append(" ".join(t for t in (f"f{i}:", head(name), *parts, tail) if t))
     begin, end = marker(fmt.begin, special), marker(fmt.end, special)
-    repeat = ' ("\\n" call)*' if parallel else ""
+    repeat = f" ({separator} call)*" if parallel else ""
     call = " ".join(t for t in (begin, opening, f'({" | ".join(names)})', closing, end) if t)
     return f"start: call{repeat}\ncall: {call}\n" + "\n".join(rules) + "\n"
 
