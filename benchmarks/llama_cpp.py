@@ -823,7 +823,7 @@ def check_llama(args, binaries: list[str]) -> None:
 
 
 def main() -> int:
-    from hybridlm.models.random import PRESETS
+    from hybridlm.presets import PRESETS
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)

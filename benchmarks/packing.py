@@ -4,7 +4,7 @@ not pack costs in an engine step), and N sequences packed into one `forward_pack
     python benchmarks/packing.py [--families ...] [--sequences 8] [--threads 2] [--steps 20]
 
 Each family runs on a random checkpoint (bf16) written once under ~/.cache/hybridlm/: the published
-small shapes of `models.random.PRESETS` for Qwen3.5 / LFM2 / Gemma 3 (shared with `hybridlm bench
+small shapes of `hybridlm.presets.PRESETS` for Qwen3.5 / LFM2 / Gemma 3 (shared with `hybridlm bench
 forward --preset`), and under packing/ scaled-down shapes for Qwen3-Next (MoE) and Gemma 4 (per-layer
 inputs, KV-shared layers), whose smallest published checkpoints are too large for this shared machine.
 Every sequence first prefills its own `--context` tokens; a step then feeds each its next token at
@@ -83,7 +83,7 @@ GEMMA4_SMALL = {
     "max_position_embeddings": 131072,
 }
 
-# family -> a `models.random.PRESETS` name or a shape of this file
+# family -> a `hybridlm.presets.PRESETS` name or a shape of this file
 SHAPES = {
     "qwen3.5": "qwen3.5-0.8b",
     "qwen3-next": QWEN3_NEXT_SMALL,

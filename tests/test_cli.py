@@ -41,13 +41,29 @@ def hybridlm(*args: str, env: dict[str, str] | None = None, **kwargs) -> subproc
 
 def test_bad_flags_are_one_line_and_a_nonzero_exit():
     bad = [args for args in BAD if not (args[-1] == "cuda" and torch.cuda.is_available())]
-    procs = [(args, hybridlm(*args)) for args in bad]  # all at once: each pays the torch import
+    procs = [(args, hybridlm(*args)) for args in bad]  # all at once: the commands' checks import torch
     for args, proc in procs:
         out, err = proc.communicate(timeout=120)
         assert proc.returncode != 0, (args, err)
         lines = err.strip().splitlines()
         assert len(lines) == 1 and "Traceback" not in err, (args, err)
         assert args[-2].lstrip("-").split("-")[0] in lines[0], (args, err)
+
+
+def test_parsing_flags_and_help_import_no_torch():
+    """The parser (every flag, preset and quantization it lists) is plain Python: `hybridlm --help`
+    and a bad flag answer without the second and a half torch takes to import."""
+    code = (
+        "import sys\n"
+        "from hybridlm.cli import build_parser\n"
+        "build_parser().parse_args(['serve', '--port', '8001', '--quantize', 'int4', '--dtype', 'bf16'])\n"
+        "build_parser().parse_args(['bench', 'forward', '--preset', 'nemotron-h-1b'])\n"
+        "loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'numpy'))\n"
+        "assert not loaded, loaded[:5]\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    out, err = hybridlm("serve", "--help").communicate(timeout=60)
+    assert "--quantize" in out and "--cache-ram" in out, err
 
 
 def test_version_and_bench_help():

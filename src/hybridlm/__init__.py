@@ -1,12 +1,14 @@
 """hybridlm: an inference engine for hybrid language models with exact prefix reuse."""
 
-import torch
-
-# Recurrent kernels hit subnormal floats on realistic gates; flushing them avoids 10x slowdowns.
-# It must run before the first parallel op, so it runs on import.
-torch.set_flush_denormal(True)
-
-from hybridlm.api import Model, load_model  # noqa: E402
-
 __all__ = ["Model", "load_model"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # The library imports torch (over a second); the command line's parser and `--help` need none of
+    # it, so `hybridlm.load_model` and `hybridlm.Model` load on first use.
+    if name in __all__:
+        from hybridlm import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

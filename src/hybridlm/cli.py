@@ -12,21 +12,9 @@ import os
 import sys
 from pathlib import Path
 
-from hybridlm.models.random import PRESETS
-from hybridlm.ops.quant import QUANTIZATIONS
-from hybridlm.settings import (
-    DTYPES,
-    ENGINE,
-    MODEL,
-    SERVER,
-    Settings,
-    add_flags,
-    limits,
-    load,
-    make_engine,
-    served_name,
-    summary,
-)
+from hybridlm.ops import QUANTIZATIONS
+from hybridlm.presets import PRESETS
+from hybridlm.settings import DTYPES, ENGINE, MODEL, SERVER, Settings, add_flags, torch_dtype
 from hybridlm.settings.declared import environment_epilog
 from hybridlm.settings.values import Parser
 
@@ -61,6 +49,7 @@ def cmd_serve(args) -> int:
     from hybridlm.runtime import freeze_loaded_objects
     from hybridlm.server import serve
     from hybridlm.server.lifecycle import listen
+    from hybridlm.settings.build import limits, load, make_engine, served_name, summary
 
     settings = Settings.of(args)
     try:  # before loading: a port in use fails at once
@@ -110,6 +99,7 @@ def sampling_params(**given):
 
 def cmd_chat(args) -> int:
     from hybridlm.engine import InvalidParameter
+    from hybridlm.settings.build import load, make_engine
 
     with contextlib.suppress(ImportError):
         import readline  # noqa: F401 - line editing and history for input()
@@ -167,6 +157,7 @@ def cmd_chat(args) -> int:
 
 def cmd_generate(args) -> int:
     from hybridlm.models.tokenizer import IncrementalDecoder
+    from hybridlm.settings.build import load
 
     sampling_params(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
     model = load(Settings.of(args))
@@ -209,7 +200,7 @@ def cmd_quantize(args) -> int:
         from hybridlm.demo import demo_model_dir
 
         path = demo_model_dir()
-    model = load_model(path, dtype=DTYPES.get(args.dtype), device="cpu", quantize=args.quantize)
+    model = load_model(path, dtype=torch_dtype(args.dtype), device="cpu", quantize=args.quantize)
     out = save_quantized(model.lm, path, args.out)
     print(f"wrote {args.quantize} checkpoint to {out}")
     return 0
@@ -273,6 +264,7 @@ def cmd_bench_kernels(args) -> int:
 
 def cmd_bench_serve(args) -> int:
     from hybridlm.bench import serve
+    from hybridlm.settings.build import load
 
     return serve.main(args, load(Settings.of(args)))
 

@@ -3,7 +3,8 @@
 import subprocess
 import sys
 
-from hybridlm.models.random import QWEN3_5_0_8B, write_random_checkpoint
+from hybridlm.models.random import write_random_checkpoint
+from hybridlm.presets import QWEN3_5_0_8B
 
 # Built with the engine's caller at two torch threads: any parallel torch work on that thread (a
 # cache allocation big enough to be split: the recurrent state here is 16 x 128 x 128) makes it a

@@ -15,7 +15,8 @@ from hybridlm.batch import Batch
 from hybridlm.models import load_model
 from hybridlm.models.base import FAMILIES
 from hybridlm.models.moe import Experts, SparseMoE
-from hybridlm.models.random import (
+from hybridlm.models.random import cached_random_checkpoint, random_state, write_random_checkpoint
+from hybridlm.presets import (
     GRANITE_4_0_H_3B,
     KIMI_LINEAR_3B,
     LFM2_MOE_4B,
@@ -23,9 +24,6 @@ from hybridlm.models.random import (
     NEMOTRON_H_1B,
     PRESETS,
     QWEN3_5_MOE_3B,
-    cached_random_checkpoint,
-    random_state,
-    write_random_checkpoint,
 )
 
 

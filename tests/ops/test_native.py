@@ -1,4 +1,5 @@
 import subprocess
+import sys
 
 import pytest
 
@@ -44,3 +45,16 @@ def test_changed_header_rebuilds_the_kernel(tmp_path, monkeypatch):
     (tmp_path / "bf16.h").write_text((CSRC / "bf16.h").read_text() + "\n/* changed */\n")
     second = compile_library("rms_norm", "norms.c")
     assert second != first and second.exists()
+
+
+def test_importing_the_kernels_flushes_subnormal_floats():
+    """The model path (every layer imports ops.native) sets the per-thread flag before any op runs;
+    `import hybridlm` alone, which the command line's parser needs, does not import torch."""
+    code = (
+        "import sys, torch, hybridlm\n"
+        "x = torch.tensor([1e-39])\n"
+        "assert (x * 2).item() != 0, 'subnormals already flushed: the test proves nothing'\n"
+        "import hybridlm.ops.native\n"
+        "assert (x * 2).item() == 0\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

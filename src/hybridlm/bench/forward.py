@@ -24,7 +24,8 @@ log = logging.getLogger(__name__)
 
 def preset_dir(preset: str) -> Path:
     """A random checkpoint of a published shape, written once under the user cache directory."""
-    from hybridlm.models.random import PRESETS, cached_random_checkpoint
+    from hybridlm.models.random import cached_random_checkpoint
+    from hybridlm.presets import PRESETS
 
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hybridlm"
     return cached_random_checkpoint(PRESETS[preset], base / "presets" / preset, preset)

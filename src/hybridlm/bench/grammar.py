@@ -192,7 +192,7 @@ def _stats(seconds: list[float]) -> dict[str, float]:
 
 def main(args) -> int:
     from hybridlm.bench.forward import load_bench_model, time_decode
-    from hybridlm.models.random import PRESETS
+    from hybridlm.presets import PRESETS
 
     if args.threads:
         torch.set_num_threads(args.threads)

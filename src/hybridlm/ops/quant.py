@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridlm.ops import QUANTIZATIONS
 from hybridlm.ops.linear import in_row_groups, rowwise_applies
 from hybridlm.ops.native import FEW_TOKENS, NativeKernel, int64_array, row_pointers
 from hybridlm.ops.quant_gemm import (
@@ -47,7 +48,6 @@ __all__ = [
     "unpack_int4",
 ]
 
-QUANTIZATIONS = ("int8", "int4")
 # int4 group size, measured: the decode kernel runs 32 / 64 / 128 equally fast (20.0 / 20.9 / 20.6 G
 # weights/s on one core, in L2: its cost is the unpacking and vdpbf16ps, not the per-group scaling);
 # they read 4.5 / 4.25 / 4.125 bits a weight. On the random Qwen3.5-0.8B preset 32 left KL 0.144

@@ -1,18 +1,14 @@
 """One place that turns settings into a server: `Settings` declares every `hybridlm serve` flag once
 (`declared`), `build` makes the model, speculator, engine and HTTP limits from them. Below the CLI
-and the Ray integration; never imports either."""
+and the Ray integration; never imports either.
 
-from hybridlm.settings.build import (
-    limits,
-    load,
-    make_engine,
-    make_prefix_cache,
-    make_speculator,
-    served_name,
-    summary,
-)
+`declared` and `values` import no torch, so parsing flags (and `--help`) takes no second; `build`'s
+names load on first use."""
+
 from hybridlm.settings.declared import DEMO_MODEL_NAME, ENGINE, MODEL, SERVER, Settings, add_flags
-from hybridlm.settings.values import DTYPES
+from hybridlm.settings.values import DTYPES, torch_dtype
+
+_BUILT = ("limits", "load", "make_engine", "make_prefix_cache", "make_speculator", "served_name", "summary")
 
 __all__ = [
     "DEMO_MODEL_NAME",
@@ -22,11 +18,14 @@ __all__ = [
     "SERVER",
     "Settings",
     "add_flags",
-    "limits",
-    "load",
-    "make_engine",
-    "make_prefix_cache",
-    "make_speculator",
-    "served_name",
-    "summary",
+    "torch_dtype",
+    *_BUILT,
 ]
+
+
+def __getattr__(name: str):
+    if name in _BUILT:
+        from hybridlm.settings import build
+
+        return getattr(build, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from hybridlm.settings.declared import DEMO_MODEL_NAME, Settings
-from hybridlm.settings.values import DTYPES
+from hybridlm.settings.values import torch_dtype
 
 log = logging.getLogger("hybridlm")
 
@@ -33,7 +33,7 @@ def load(settings: Settings):
             path = demo_model_dir()
         bar.update()
         bar.set_postfix_str("weights")
-        dtype = DTYPES.get(settings.dtype)
+        dtype = torch_dtype(settings.dtype)
         model = load_model(path, dtype=dtype, device=settings.device, quantize=settings.quantize)
         bar.update()
         bar.set_postfix_str("warm-up")
@@ -74,7 +74,7 @@ def make_speculator(model, settings: Settings):
     if settings.draft_model is None:
         raise SystemExit("hybridlm: --speculative draft needs --draft-model DIR")
     try:
-        dtype = DTYPES.get(settings.dtype)
+        dtype = torch_dtype(settings.dtype)
         with serial_setup():
             draft = load_draft(settings.draft_model, model.lm, dtype=dtype, quantize=settings.draft_quantize)
     except ValueError as e:  # an unloadable checkpoint, or an assistant that does not fit this model

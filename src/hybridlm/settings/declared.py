@@ -13,7 +13,7 @@ import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields
 
-from hybridlm.ops.quant import QUANTIZATIONS
+from hybridlm.ops import QUANTIZATIONS
 from hybridlm.settings import values
 from hybridlm.settings.values import DTYPES, Parser
 

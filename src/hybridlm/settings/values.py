@@ -4,12 +4,26 @@ the value a setting holds, or raises `argparse.ArgumentTypeError` with a one-lin
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
-import torch
+from hybridlm.ops import QUANTIZATIONS
 
-from hybridlm.ops.quant import QUANTIZATIONS
+if TYPE_CHECKING:
+    import torch
 
-DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
+# --dtype's names -> the torch dtype's name. Names, not dtypes: parsing flags (and `--help`) imports
+# no torch; `torch_dtype` resolves one when the model loads.
+DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32"}
+
+
+def torch_dtype(name: str | None) -> torch.dtype | None:
+    """The torch dtype a --dtype value names; None (the model's own default) for None or a name
+    --dtype does not take."""
+    if DTYPES.get(name) is None:
+        return None
+    import torch
+
+    return getattr(torch, DTYPES[name])
 
 
 class Parser(argparse.ArgumentParser):
@@ -58,6 +72,8 @@ def at_least_one(text: str) -> int:
 
 def device(text: str) -> str:
     """A torch device this process can use ('cpu', 'cuda', 'cuda:1', 'mps'...)."""
+    import torch
+
     try:
         dev = torch.device(text)
     except RuntimeError:
