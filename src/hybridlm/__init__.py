@@ -1,5 +1,10 @@
 """hybridlm: an inference engine for hybrid language models with exact prefix reuse."""
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # what type checkers and editors see; at run time `__getattr__` below
+    from hybridlm.api import Model, load_model
+
 __all__ = ["Model", "load_model"]
 __version__ = "0.1.0"
 
