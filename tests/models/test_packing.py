@@ -16,6 +16,7 @@ from hybridlm.models.base import forward_packed
 from hybridlm.ops import attention as attention_mod
 from hybridlm.ops import conv as conv_mod
 from hybridlm.ops import gated_delta as gated_delta_mod
+from hybridlm.ops import mamba2 as mamba2_mod
 from hybridlm.ops.linear import rowwise
 from hybridlm.ops.native import FEW_TOKENS
 
@@ -56,10 +57,11 @@ STEPS = [
 # A step with segments longer than FEW_TOKENS (prefill-chunk sized) beside decode rows: they run their
 # mixers one by one while the decode rows share the packed kernels (`layers.per_segment`).
 MIXED_STEP = [(1, 1, "last"), (0, 30, "last"), (3, 1, "last"), (2, 18, "all")]
-# The families whose mixers have packed kernels (`Attention`, `GatedDeltaNet`, LFM2's `ShortConv`).
+# The families whose mixers have packed kernels (`Attention`, `GatedDeltaNet`, LFM2's `ShortConv`,
+# `Mamba2Mixer`).
 PACKED_MIXERS = [
     "qwen3_5_text", "qwen3_next", "qwen3_5_moe_text", "lfm2", "lfm2_moe", "gemma3_text", "dense_llama",
-    "bamba",
+    "bamba", "nemotron_h", "falcon_h1",
 ]
 
 
@@ -89,7 +91,7 @@ def test_long_segments_beside_decode_rows_equal_their_own_forwards_bitwise(check
     check_steps(checkpoints, name, torch.bfloat16, [MIXED_STEP, STEPS[-1]])
 
 
-@pytest.mark.parametrize("name", ["qwen3_5_text", "lfm2"])
+@pytest.mark.parametrize("name", ["qwen3_5_text", "lfm2", "nemotron_h"])
 def test_without_packed_kernels_the_segments_run_one_by_one_bitwise(checkpoints, name, monkeypatch):
     """Where a packed kernel does not apply (here: none built), the decode / verify segments the layer
     already took from their caches run one by one from those histories, with the same bits."""
@@ -97,7 +99,25 @@ def test_without_packed_kernels_the_segments_run_one_by_one_bitwise(checkpoints,
     monkeypatch.setattr(attention_mod, "PACKED_KERNEL", unbuilt)
     monkeypatch.setattr(conv_mod, "CONV_PACKED_KERNEL", unbuilt)
     monkeypatch.setattr(gated_delta_mod, "GDN_PACKED_KERNEL", unbuilt)
+    monkeypatch.setattr(mamba2_mod, "PACKED_KERNEL", unbuilt)
     check_steps(checkpoints, name, torch.bfloat16, STEPS)
+
+
+@pytest.mark.parametrize("name", ["bamba", "nemotron_h"])
+def test_mamba2_decode_segments_take_one_packed_step_call_per_layer(checkpoints, name, monkeypatch):
+    """The Mamba-2 layers step a packed forward's decode and verify segments in one kernel call each
+    (the equality tests above would also pass one by one)."""
+    kernel, calls = mamba2_mod.PACKED_KERNEL, []
+
+    def counted():
+        fn = kernel.get()
+        return None if fn is None else (lambda *args: calls.append(args[12]) or fn(*args))
+
+    monkeypatch.setattr(mamba2_mod, "PACKED_KERNEL", types.SimpleNamespace(get=counted))
+    check_steps(checkpoints, name, torch.bfloat16, STEPS[:1])
+    model = load_model(checkpoints(name).path, device="cpu")
+    layers = sum(type(m).__name__ == "Mamba2Mixer" for m in model.modules())
+    assert layers and calls == [len(STEPS[0])] * layers  # args[12]: the sequences of the call
 
 
 def check_steps(checkpoints, name, dtype, steps):

@@ -17,7 +17,9 @@ from hybridlm.ops.mamba2 import (
     grouped_gated_norm_reference,
     mamba2_scan,
     mamba2_step_fused,
+    mamba2_step_packed,
 )
+from tests.ops.packed import packed_layout
 
 torch.set_flush_denormal(True)
 
@@ -219,6 +221,45 @@ def test_step_kernel_gives_the_same_bits_however_the_tokens_are_cut_and_batched(
                 assert s.equal(bounds[(3, 9, 26).index(e)][b : b + 1])
         assert s.equal(state[b : b + 1])
         assert not y[b, n:].any()
+
+
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture], deadline=None, max_examples=25)
+@given(
+    lens=st.lists(st.integers(1, 40), min_size=1, max_size=5),
+    dtype=st.sampled_from([torch.bfloat16, torch.float32]),
+    data=st.data(),
+)
+def test_property_packed_step_kernel_equals_each_sequence_alone_bitwise(lens, dtype, data, isa):
+    """Ragged sequences (1 to 40 tokens, their own states and split points) stepped in one packed call
+    (with unused rows between them) give each sequence's outputs, final state and boundary states bit
+    for bit as its own call does."""
+    H, P, G, N = 4, 3, 2, 19  # N = 19: whole vectors and a scalar tail at 8 and 16 lanes
+    starts, end, splits = packed_layout(data, lens)
+    xbc, inputs = fused_inputs(1, end, H, P, G, N, dtype=dtype, seed=end)
+    x, dt, A, B, C, D, dt_bias, _ = inputs
+    states = [fused_inputs(1, 1, H, P, G, N, seed=100 + i)[1][-1] for i in range(len(lens))]
+    packed_states = [s.clone() for s in states]
+    ran = mamba2_step_packed(xbc, dt, A, D, packed_states, starts, lens, splits, dt_bias=dt_bias, heads=H,
+                             head_dim=P, groups=G, state_size=N, dt_limit=LIMIT)
+    assert ran is not None, "the kernel did not run"
+    y, bounds = ran
+    assert y.shape == (1, end, H, P)
+    for i, (lo, n) in enumerate(zip(starts, lens, strict=True)):
+        own = slice(lo, lo + n)
+        rows = (x[:, own], dt[:, own], A, B[:, own], C[:, own], D, dt_bias, states[i].clone())
+        want_y, want_state, want_bounds = fused(xbc[:, own], rows, splits=splits[i], inplace=True)
+        assert torch.equal(y[:, own], want_y)
+        assert torch.equal(packed_states[i], want_state)
+        assert all(torch.equal(b, w) for b, w in zip(bounds[i], want_bounds, strict=True))
+
+
+def test_packed_step_kernel_declines_what_it_cannot_run():
+    """A state of another shape or dtype, or an empty sequence: None, and callers step one by one."""
+    xbc, (_, dt, A, _, _, D, dt_bias, state) = fused_inputs(1, 4, 2, 3, 1, 5, seed=3)
+    kw = dict(dt_bias=dt_bias, heads=2, head_dim=3, groups=1, state_size=5)
+    assert mamba2_step_packed(xbc, dt, A, D, [state.double()], [0], [4], [[]], **kw) is None
+    assert mamba2_step_packed(xbc, dt, A, D, [state[:, :1]], [0], [4], [[]], **kw) is None
+    assert mamba2_step_packed(xbc, dt, A, D, [state, state.clone()], [0, 4], [4, 0], [[], []], **kw) is None
 
 
 def test_step_kernel_agrees_with_the_torch_step_form():

@@ -359,10 +359,11 @@ def _attention_op(m: Attention, watch: list) -> Op:
 def _mamba2_op(m: Mamba2Mixer, watch: list) -> Op:
     """`Mamba2Mixer.forward` of a few tokens of one sequence or of packed segments (no padding to mask):
     the plan's in / out projections around the layer's conv, step and gated norm kernels, called
-    directly per segment when its cache asks for no split states (else the layer's own
-    `scan_history`), with A = -exp(A_log), dt_bias and D in float32 computed once per parameter
-    version. The wrappers' checks and conversions cost ≈ 4 ms of a ~95 ms Granite-4.0-H-Tiny-shaped
-    bf16 step (18 Mamba-2 layers)."""
+    directly for one sequence when its cache asks for no split states (else the layer's own
+    `scan_history`; packed segments: the layer's `scan_packed`, one call of each kernel for them all),
+    with A = -exp(A_log), dt_bias and D in float32 computed once per parameter version. The wrappers'
+    checks and conversions cost ≈ 4 ms of a ~95 ms Granite-4.0-H-Tiny-shaped bf16 step (18 Mamba-2
+    layers)."""
     in_proj = _linear_op(_child(m, "in_proj", watch), watch)
     out_proj = _linear_op(_child(m, "out_proj", watch), watch)
     conv_params, params = _child(m, "conv1d", watch)._parameters, m._parameters
@@ -421,7 +422,9 @@ def _mamba2_op(m: Mamba2Mixer, watch: list) -> Op:
 
     def mixer(x: torch.Tensor, batch: Batch, cache) -> torch.Tensor:
         z, xbc, dt = torch.split_with_sizes(in_proj(x), sizes, dim=-1)
-        return out_proj(gated(per_segment(batch, cache, scan, xbc, dt).view(z.shape), z))
+        packed = lambda few, *rows: m.scan_packed(batch, cache, few, *rows, constants=floats())
+        y = per_segment(batch, cache, scan, xbc, dt, packed=packed)
+        return out_proj(gated(y.view(z.shape), z))
 
     return mixer
 

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from hybridlm.ops.native import NativeKernel, checked_splits, split_args
+from hybridlm.ops.native import NativeKernel, checked_splits, packed_args, split_args
 
 # Tokens per chunk of the chunked form (transformers' default for these families is 256; on 2 CPU
 # cores, 4 heads x 16 x 16, 64 ran as fast and keeps the [C, C] products in cache).
@@ -55,6 +55,17 @@ STEP_KERNEL = NativeKernel(
      ctypes.c_int, ctypes.c_int],
     None,
     fallback="the torch step form",
+)
+
+
+PACKED_KERNEL = NativeKernel(
+    "mamba2_scan",
+    "mamba2.c",
+    "hybridlm_mamba2_scan_packed",
+    [_p, _p, _p, _p, _p, _p, _p, _p, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _f, _f, ctypes.c_int,
+     ctypes.c_int],
+    None,
+    fallback="one call per sequence",
 )
 
 
@@ -176,6 +187,72 @@ def mamba2_step_fused(
        state.data_ptr(), y.data_ptr(), ptrs, at, n, lens, Bt, L, heads, head_dim, groups, state_size,
        float(dt_limit[0]), float(dt_limit[1]), int(xbc.dtype is torch.bfloat16), torch.get_num_threads())
     return y, state, bounds
+
+
+def mamba2_step_packed(
+    xbc: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    D: Tensor | None,
+    states: Sequence[Tensor],
+    starts: Sequence[int],
+    lens: Sequence[int],
+    splits: Sequence[Sequence[int]],
+    *,
+    dt_bias: Tensor,
+    heads: int,
+    head_dim: int,
+    groups: int,
+    state_size: int,
+    dt_limit: tuple[float, float] = (0.0, math.inf),
+) -> tuple[Tensor, list[list[Tensor]]] | None:
+    """``mamba2_step_fused(..., inplace=True)`` of several sequences packed end to end, in one C call
+    parallel over sequences x heads.
+
+    Args:
+        xbc: ``[1, T, H·P + 2·G·N]`` packed conv outputs, dt ``[1, T, H]``; sequence i's rows are
+            ``[starts[i], starts[i] + lens[i])``, each ``lens[i]`` ≥ 1.
+        states: sequence i's own ``[1, H, P, N]`` contiguous float32 state, advanced in place.
+        splits: sequence i's split offsets. A, D, dt_bias, dt_limit: as in `mamba2_step_fused`.
+
+    Returns:
+        ``(y, boundary_states)``: ``y`` ``[1, T, H, P]`` float32 holds each sequence's outputs at its
+        rows (other rows are unset), ``boundary_states[i][j]`` the state after ``splits[i][j]``
+        tokens; each sequence's numbers are bit for bit those of `mamba2_step_fused` on it alone (the
+        kernel runs the same per-head loop). None where the C kernel does not apply (callers then
+        run one call per sequence).
+    """
+    _, T, width = xbc.shape
+    shape = (1, heads, head_dim, state_size)
+    if not (
+        xbc.shape[0] == 1
+        and xbc.is_cpu
+        and xbc.dtype in (torch.bfloat16, torch.float32)
+        and dt.dtype is xbc.dtype
+        and dt.shape == (1, T, heads)
+        and width == heads * head_dim + 2 * groups * state_size
+        and heads % groups == 0
+        and all(n > 0 for n in lens)
+        and all(s.shape == shape and s.dtype is torch.float32 and s.is_contiguous() for s in states)
+        and not torch.compiler.is_compiling()
+    ):
+        return None
+    fn = PACKED_KERNEL.get()
+    if fn is None:
+        return None
+    splits = [checked_splits(s, n) for s, n in zip(splits, lens, strict=True)]
+    xbc, dt = xbc.contiguous(), dt.contiguous()
+    A, dt_bias = A.float().contiguous(), dt_bias.float().contiguous()
+    D = None if D is None else D.float().contiguous()
+    y = torch.empty(1, T, heads, head_dim, dtype=torch.float32)
+    bounds = [[torch.empty(shape, dtype=torch.float32) for _ in s] for s in splits]
+    n = len(states)
+    state_ptrs = (ctypes.c_void_p * n)(*(s.data_ptr() for s in states))
+    fn(xbc.data_ptr(), dt.data_ptr(), A.data_ptr(), dt_bias.data_ptr(), None if D is None else D.data_ptr(),
+       state_ptrs, y.data_ptr(), *packed_args(starts, lens, splits, bounds), n, heads, head_dim, groups,
+       state_size, float(dt_limit[0]), float(dt_limit[1]), int(xbc.dtype is torch.bfloat16),
+       torch.get_num_threads())
+    return y, bounds
 
 
 def mamba2_scan(

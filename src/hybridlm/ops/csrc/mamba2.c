@@ -260,6 +260,28 @@ void hybridlm_mamba2_scan(const void* xbc, const void* dt, const float* A, const
     }
 }
 
+/* Several sequences packed end to end (the decode and verify rows of many sequences) in one call,
+   parallel over sequences x heads: sequence i's rows [starts[i], starts[i] + lens[i]) of xbc, dt and
+   y (layouts as in hybridlm_mamba2_scan with B = 1), its own state states[i] [H, P, N] advanced in
+   place, and its splits splits[split_starts[i] .. split_starts[i + 1]), after which the state goes to
+   the matching bounds entries ([H, P, N] each). Each (sequence, head) runs scan_head as
+   hybridlm_mamba2_scan runs it on that sequence alone: the same bits. */
+void hybridlm_mamba2_scan_packed(const void* xbc, const void* dt, const float* A, const float* dt_bias,
+                                 const float* D, float** states, float* y, float** bounds,
+                                 const int64_t* splits, const int64_t* split_starts, const int64_t* starts,
+                                 const int64_t* lens, int64_t nseq, int64_t H, int64_t P, int64_t G,
+                                 int64_t N, float lo, float hi, int is_bf16, int nthreads) {
+    const int64_t conv_dim = H * P + 2 * G * N;
+    const size_t es = is_bf16 ? 2 : 4;
+    #pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t sh = 0; sh < nseq * H; sh++) {
+        const int64_t i = sh / H, h = sh % H, row = starts[i], first = split_starts[i];
+        scan_head((const char*)xbc + row * conv_dim * es, (const char*)dt + row * H * es, A[h], dt_bias[h],
+                  D ? D[h] : 0.f, lo, hi, states[i] + h * P * N, y + row * H * P, bounds + first, h * P * N,
+                  splits + first, split_starts[i + 1] - first, lens[i], lens[i], h, H, P, G, N, is_bf16);
+    }
+}
+
 /* The gated RMSNorm per group after the scan (models/mamba2.py: GroupedGatedRMSNorm), in float32:
    gate = silu(z); x = y·gate (before: norm_before_gate 0), each of G groups of the C channels
    x · rsqrt(mean(x²) + eps), then ·gate (norm_before_gate 1); out = bf16(w · x). y [rows, C] float32,
