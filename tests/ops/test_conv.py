@@ -103,8 +103,13 @@ def test_prior_carried_across_calls_equals_one_call(cut):
     assert torch.equal(tail2, tail_all)
 
 
-def test_token_by_token_decode_equals_one_call():
-    x, weight, b, prior = make_inputs(2, 7, 6, 4, dtype=torch.bfloat16, seed=6)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("channels", [6, 40])
+def test_token_by_token_decode_equals_one_call(channels, dtype, isa):
+    """Bit for bit at every ISA level: with AVX-512 a decode row reads the [C, K] taps in place and a
+    call of 7 rows transposes them first (`LONG_ROWS`); 40 channels take vectors and a scalar tail;
+    float32 outputs show every bit of the sums."""
+    x, weight, b, prior = make_inputs(2, 7, channels, 4, dtype=dtype, seed=6)
     out_all, tail_all, _ = causal_conv1d(x, weight, b, prior, activation="silu")
     tail, outs = prior, []
     for t in range(x.shape[1]):
