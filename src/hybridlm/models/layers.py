@@ -86,6 +86,40 @@ def segment_rows(batch: Packed, few: list[int]) -> tuple[list[int], list[int]]:
     return [batch.bounds[i][0] for i in few], [batch.bounds[i][1] - batch.bounds[i][0] for i in few]
 
 
+def scan_segments(batch: Packed, caches: list, few: list[int], inputs, gates, kernels, scan_history, empty):
+    """A recurrent layer's `scan_packed`: segments `few` of a packed batch, each from and into its own
+    cache. `kernels(hists, starts, lens)` runs the layer's packed conv and scan on the segments'
+    histories and returns both results (`causal_conv1d_packed`'s, then the scan's (out, boundary
+    states)), either None where its kernel does not apply. Each cache then takes its tail, state and
+    boundary pairs, and while recording its rows of `inputs` / `gates` (the scan inputs, [1, T, ...]).
+    Without the kernels each segment runs `scan_history(segment, cache, hist, its inputs, its gates)`
+    into `empty()`. Returns the packed output with the segments' rows set."""
+    starts, lens = segment_rows(batch, few)
+    segs = [batch.segments[i] for i in few]
+    own = [caches[i] for i in few]
+    hists = [c.get(s) for c, s in zip(own, segs, strict=True)]
+    conv, ran = kernels(hists, starts, lens)
+    pieces = list(zip(segs, own, hists, starts, lens, strict=True))
+    if ran is None:
+        out = empty()
+        for seg, c, h, lo, n in pieces:
+            rows = inputs.narrow(1, lo, n), gates.narrow(1, lo, n)
+            out.narrow(1, lo, n).copy_(scan_history(seg, c, h, *rows))
+        return out
+    out, state_bounds = ran
+    _, tails, tail_bounds = conv
+    for j, (seg, c, h, lo, n) in enumerate(pieces):
+        c.put(
+            seg,
+            tails[j],
+            h.state,
+            list(zip(tail_bounds[j], state_bounds[j], strict=True)),
+            inputs=inputs.narrow(1, lo, n) if h.record else None,
+            gates=gates.narrow(1, lo, n) if h.record else None,
+        )
+    return out
+
+
 class Attention(nn.Module):
     """Multi-head GQA attention with optional per-head q/k norm, output gate (Qwen3.5: q_proj
     yields query and gate), partial rotary, sliding window and logit soft-capping."""
@@ -330,38 +364,21 @@ class GatedDeltaNet(nn.Module):
     def scan_packed(self, batch: Packed, caches: list[RecurrentCache], few: list[int], qkv, ab):
         """Segments `few` of a packed batch (qkv [1, T, conv_dim], ab [1, T, 2·Hv]) in one conv call and
         one scan call, each segment from and into its own cache's conv tail and state (advanced in
-        place) -> o [1, T, Hv, Dv] with their rows set."""
-        starts, lens = segment_rows(batch, few)
-        segs = [batch.segments[i] for i in few]
-        own = [caches[i] for i in few]
-        hists = [c.get(s) for c, s in zip(own, segs, strict=True)]
-        splits = [h.splits for h in hists]
-        conv_w = self.conv1d.weight.squeeze(1)
-        conv = causal_conv1d_packed(
-            qkv, conv_w, None, [h.conv_tail for h in hists], starts, lens, splits, activation="silu"
-        )
-        ran = conv and gated_delta_net_scan_packed(
-            conv[0], ab, self.A_log, self.dt_bias, [h.state for h in hists], starts, lens, splits,
-            k_heads=self.k_heads, k_dim=self.k_dim, v_heads=self.v_heads, v_dim=self.v_dim,
-        )
-        if ran is None:
-            o = qkv.new_empty(1, qkv.shape[1], self.v_heads, self.v_dim)
-            for seg, c, h, lo, n in zip(segs, own, hists, starts, lens, strict=True):
-                rows = qkv.narrow(1, lo, n), ab.narrow(1, lo, n)
-                o.narrow(1, lo, n).copy_(self.scan_history(seg, c, h, *rows))
-            return o
-        o, state_bounds = ran
-        _, tails, tail_bounds = conv
-        for j, (seg, c, h, lo, n) in enumerate(zip(segs, own, hists, starts, lens, strict=True)):
-            c.put(
-                seg,
-                tails[j],
-                h.state,
-                list(zip(tail_bounds[j], state_bounds[j], strict=True)),
-                inputs=qkv.narrow(1, lo, n) if h.record else None,
-                gates=ab.narrow(1, lo, n) if h.record else None,
+        place) -> o [1, T, Hv, Dv] with their rows set (`scan_segments`)."""
+
+        def kernels(hists, starts, lens):
+            splits = [h.splits for h in hists]
+            conv_w = self.conv1d.weight.squeeze(1)
+            conv = causal_conv1d_packed(
+                qkv, conv_w, None, [h.conv_tail for h in hists], starts, lens, splits, activation="silu"
             )
-        return o
+            return conv, conv and gated_delta_net_scan_packed(
+                conv[0], ab, self.A_log, self.dt_bias, [h.state for h in hists], starts, lens, splits,
+                k_heads=self.k_heads, k_dim=self.k_dim, v_heads=self.v_heads, v_dim=self.v_dim,
+            )
+
+        empty = lambda: qkv.new_empty(1, qkv.shape[1], self.v_heads, self.v_dim)
+        return scan_segments(batch, caches, few, qkv, ab, kernels, self.scan_history, empty)
 
 
 class DecoderLayer(nn.Module):

@@ -26,7 +26,7 @@ from torch import nn
 from hybridlm.batch import Batch, Packed
 from hybridlm.cache import Mamba2Cache
 from hybridlm.models.config import Config
-from hybridlm.models.layers import per_segment, segment_rows
+from hybridlm.models.layers import per_segment, scan_segments
 from hybridlm.ops.conv import causal_conv1d, causal_conv1d_packed
 from hybridlm.ops.linear import Linear
 from hybridlm.ops.mamba2 import (
@@ -199,44 +199,27 @@ class Mamba2Mixer(nn.Module):
     ) -> torch.Tensor:
         """Segments `few` of a packed batch (xbc [1, T, conv_dim], dt [1, T, H]) in one conv call and
         one step-kernel call, each segment from and into its own cache's conv tail and state (advanced
-        in place) -> y [1, T, H, P] float32 with their rows set; one `scan_history` per segment where
-        the kernels do not apply. `constants`: A = -exp(A_log), dt_bias and D in float32 where the
-        caller holds them (a decode plan), else computed here."""
+        in place) -> y [1, T, H, P] float32 with their rows set (`scan_segments`). `constants`: A =
+        -exp(A_log), dt_bias and D in float32 where the caller holds them (a decode plan), else
+        computed here."""
         if constants is None:
             constants = -self.A_log.float().exp(), self.dt_bias, self.D
         a, dt_bias, d = constants
-        starts, lens = segment_rows(batch, few)
-        segs = [batch.segments[i] for i in few]
-        own = [caches[i] for i in few]
-        hists = [c.get(s) for c, s in zip(own, segs, strict=True)]
-        splits = [h.splits for h in hists]
-        conv = causal_conv1d_packed(
-            xbc, self.conv1d.weight.squeeze(1), self.conv1d.bias, [h.conv_tail for h in hists], starts, lens,
-            splits, activation="silu",
-        )
-        ran = conv and mamba2_step_packed(
-            conv[0], dt, a, d, [h.state for h in hists], starts, lens, splits,
-            dt_bias=dt_bias, heads=self.heads, head_dim=self.head_dim, groups=self.groups,
-            state_size=self.state_size, dt_limit=self.dt_limit,
-        )
-        if ran is None:
-            y = xbc.new_empty(1, xbc.shape[1], self.heads, self.head_dim, dtype=torch.float32)
-            for seg, c, h, lo, n in zip(segs, own, hists, starts, lens, strict=True):
-                rows = xbc.narrow(1, lo, n), dt.narrow(1, lo, n)
-                y.narrow(1, lo, n).copy_(self.scan_history(seg, c, h, *rows))
-            return y
-        y, state_bounds = ran
-        _, tails, tail_bounds = conv
-        for j, (seg, c, h, lo, n) in enumerate(zip(segs, own, hists, starts, lens, strict=True)):
-            c.put(
-                seg,
-                tails[j],
-                h.state,
-                list(zip(tail_bounds[j], state_bounds[j], strict=True)),
-                inputs=xbc.narrow(1, lo, n) if h.record else None,
-                gates=dt.narrow(1, lo, n) if h.record else None,
+
+        def kernels(hists, starts, lens):
+            splits = [h.splits for h in hists]
+            conv = causal_conv1d_packed(
+                xbc, self.conv1d.weight.squeeze(1), self.conv1d.bias, [h.conv_tail for h in hists], starts,
+                lens, splits, activation="silu",
             )
-        return y
+            return conv, conv and mamba2_step_packed(
+                conv[0], dt, a, d, [h.state for h in hists], starts, lens, splits,
+                dt_bias=dt_bias, heads=self.heads, head_dim=self.head_dim, groups=self.groups,
+                state_size=self.state_size, dt_limit=self.dt_limit,
+            )
+
+        empty = lambda: xbc.new_empty(1, xbc.shape[1], self.heads, self.head_dim, dtype=torch.float32)
+        return scan_segments(batch, caches, few, xbc, dt, kernels, self.scan_history, empty)
 
 
 def time_step_limit(c: Config) -> tuple[float, float]:
