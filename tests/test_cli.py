@@ -41,7 +41,7 @@ def hybridlm(*args: str, env: dict[str, str] | None = None, **kwargs) -> subproc
 
 def test_bad_flags_are_one_line_and_a_nonzero_exit():
     bad = [args for args in BAD if not (args[-1] == "cuda" and torch.cuda.is_available())]
-    procs = [(args, hybridlm(*args)) for args in bad]  # all at once: the commands' checks import torch
+    procs = [(args, hybridlm(*args)) for args in bad]  # all at once: some checks need torch (--device)
     for args, proc in procs:
         out, err = proc.communicate(timeout=120)
         assert proc.returncode != 0, (args, err)
@@ -51,13 +51,21 @@ def test_bad_flags_are_one_line_and_a_nonzero_exit():
 
 
 def test_parsing_flags_and_help_import_no_torch():
-    """The parser (every flag, preset and quantization it lists) is plain Python: `hybridlm --help`
-    and a bad flag answer without the second and a half torch takes to import."""
+    """The parser (every flag, preset and quantization it lists) and the sampling checks of `chat` and
+    `generate` are plain Python: `hybridlm --help` and a bad flag answer without the second and a half
+    torch takes to import."""
     code = (
         "import sys\n"
-        "from hybridlm.cli import build_parser\n"
+        "from hybridlm.cli import build_parser, main\n"
         "build_parser().parse_args(['serve', '--port', '8001', '--quantize', 'int4', '--dtype', 'bf16'])\n"
         "build_parser().parse_args(['bench', 'forward', '--preset', 'nemotron-h-1b'])\n"
+        "for argv in (['chat', '--top-p', '5'], ['generate', '--prompt', 'hi', '--max-tokens', '0']):\n"
+        "    try:\n"
+        "        main(argv)\n"
+        "    except SystemExit as e:\n"
+        "        assert e.code not in (0, None), argv\n"
+        "    else:\n"
+        "        raise AssertionError(argv)\n"
         "loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'numpy'))\n"
         "assert not loaded, loaded[:5]\n"
     )
@@ -126,3 +134,12 @@ def test_bench_commands_load_the_model_as_the_flags_say(command, monkeypatch):
     with pytest.raises(_Loaded):
         args.func(args)
     assert seen == {"dtype": torch.float32, "quantize": "int8"}
+
+
+def test_a_bad_checkpoint_is_one_line_and_exit_2(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "no_such_family"}')
+    proc = hybridlm("generate", "--model", str(tmp_path), "--prompt", "hi")
+    _, err = proc.communicate(timeout=120)
+    lines = err.strip().splitlines()
+    assert proc.returncode == 2, err
+    assert len(lines) == 1 and "no_such_family" in lines[0] and "Traceback" not in err, err

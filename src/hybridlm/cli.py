@@ -99,7 +99,6 @@ def sampling_params(**given):
 
 def cmd_chat(args) -> int:
     from hybridlm.engine import InvalidParameter
-    from hybridlm.settings.build import load, make_engine
 
     with contextlib.suppress(ImportError):
         import readline  # noqa: F401 - line editing and history for input()
@@ -111,6 +110,7 @@ def cmd_chat(args) -> int:
         seed=args.seed,
         max_tokens=args.max_tokens,
     )
+    from hybridlm.settings.build import load, make_engine  # torch: after the flags are checked
     settings = Settings.of(args)
     model = load(settings)
     tokenizer = model.tokenizer
@@ -156,10 +156,9 @@ def cmd_chat(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from hybridlm.models.tokenizer import IncrementalDecoder
-    from hybridlm.settings.build import load
-
     sampling_params(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
+    from hybridlm.models.tokenizer import IncrementalDecoder  # torch: after the flags are checked
+    from hybridlm.settings.build import load
     model = load(Settings.of(args))
     text = args.prompt
     if args.chat:
@@ -615,18 +614,22 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     setup_logging()
     args = build_parser().parse_args(argv)
-    from hybridlm.models.checkpoint import CheckpointError
     from hybridlm.runtime import keep_freed_memory
 
     keep_freed_memory()
 
     try:
         return args.func(args)
-    except CheckpointError as e:
-        print(f"hybridlm: {e}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         return 130
+    except Exception as e:
+        # A bad checkpoint is one line. Its error class lives with the models (torch); a command that
+        # failed before loading them (a bad sampling flag) cannot have raised it.
+        checkpoint = sys.modules.get("hybridlm.models.checkpoint")
+        if checkpoint is None or not isinstance(e, checkpoint.CheckpointError):
+            raise
+        print(f"hybridlm: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
