@@ -125,6 +125,20 @@ def grouped_gated_norm(
     return out
 
 
+def _kernel_takes(xbc: Tensor, dt: Tensor, heads: int, head_dim: int, groups: int, state_size: int) -> bool:
+    """Whether the step kernels read these scan inputs: CPU conv outputs x ‖ B ‖ C [.., L, H·P + 2·G·N]
+    in bf16 or float32, raw time steps [.., L, H] of the same dtype, whole groups of heads."""
+    return (
+        xbc.is_cpu
+        and xbc.dtype in (torch.bfloat16, torch.float32)
+        and dt.dtype is xbc.dtype
+        and dt.shape == (*xbc.shape[:2], heads)
+        and xbc.shape[-1] == heads * head_dim + 2 * groups * state_size
+        and heads % groups == 0
+        and not torch.compiler.is_compiling()
+    )
+
+
 def mamba2_step_fused(
     xbc: Tensor,
     dt: Tensor,
@@ -155,20 +169,14 @@ def mamba2_step_fused(
         form. None where the kernel does not apply (not CPU, other dtypes, not built): callers then
         run `mamba2_scan`.
     """
-    Bt, L, width = xbc.shape
+    Bt, L, _ = xbc.shape
     shape = (Bt, heads, head_dim, state_size)
     if not (
         L > 0
-        and xbc.is_cpu
-        and xbc.dtype in (torch.bfloat16, torch.float32)
-        and dt.dtype is xbc.dtype
-        and dt.shape == (Bt, L, heads)
-        and width == heads * head_dim + 2 * groups * state_size
-        and heads % groups == 0
+        and _kernel_takes(xbc, dt, heads, head_dim, groups, state_size)
         and state.shape == shape
         and state.dtype is torch.float32
         and (state.is_contiguous() or not inplace)
-        and not torch.compiler.is_compiling()
     ):
         return None
     fn = STEP_KERNEL.get()
@@ -222,19 +230,13 @@ def mamba2_step_packed(
         kernel runs the same per-head loop). None where the C kernel does not apply (callers then
         run one call per sequence).
     """
-    _, T, width = xbc.shape
+    T = xbc.shape[1]
     shape = (1, heads, head_dim, state_size)
     if not (
         xbc.shape[0] == 1
-        and xbc.is_cpu
-        and xbc.dtype in (torch.bfloat16, torch.float32)
-        and dt.dtype is xbc.dtype
-        and dt.shape == (1, T, heads)
-        and width == heads * head_dim + 2 * groups * state_size
-        and heads % groups == 0
+        and _kernel_takes(xbc, dt, heads, head_dim, groups, state_size)
         and all(n > 0 for n in lens)
         and all(s.shape == shape and s.dtype is torch.float32 and s.is_contiguous() for s in states)
-        and not torch.compiler.is_compiling()
     ):
         return None
     fn = PACKED_KERNEL.get()
